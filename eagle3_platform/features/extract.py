@@ -1,0 +1,290 @@
+"""Offline feature extraction: conversation records -> feature shards + manifest (DESIGN.md §4, §5).
+
+One target forward per conversation (decoder stack only: the teacher logits are recomputed from
+`last_hidden` with the frozen lm_head at training time, so the lm_head matmul is skipped here).
+
+Resume without recompute: the accepted records are cut into fixed slices, shard i = accepted records
+[i*n, (i+1)*n). The manifest is rewritten (atomically) after every finished shard, so after a kill it
+lists exactly the shards that are complete; a rerun re-hashes each listed shard, checks its header and
+record ids against what it would write, skips it when everything matches, and recomputes it otherwise.
+
+Accounting: read = samples in shards + rejected (rejected.jsonl, each with a reason).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from pydantic import ValidationError
+
+from eagle3_platform.features.capture import forward_capture
+from eagle3_platform.features.shards import (MANIFEST, ShardError, check_shard, read_header,
+                                             read_manifest, shard_name, write_manifest, write_shard)
+from eagle3_platform.records import ConversationRecord, Rejection, write_jsonl_atomic
+from eagle3_platform.storage import Storage, storage_from_uri
+from eagle3_platform.target import Target, load_target
+
+REJECTED = "rejected.jsonl"
+STAGE = "features"
+
+
+@dataclass(frozen=True)
+class FeatureConfig:
+    samples_per_shard: int  # conversations per shard file (also the resume granularity)
+    max_length: int  # longer conversations are truncated to this many tokens (and counted)
+    batch_tokens: int  # padded tokens (B * longest) per target forward; <= longest => one at a time
+    dtype: str = "bfloat16"  # stored feature dtype
+    target_dtype: str = "float32"  # dtype the target runs in
+    device: str = "auto"  # "auto" = cuda when available, else cpu
+
+
+PRESETS: dict[str, FeatureConfig] = {
+    "tiny": FeatureConfig(samples_per_shard=4, max_length=256, batch_tokens=0),
+    # CPU: one conversation per forward measured faster than padded batches (bench_extract.py)
+    "demo": FeatureConfig(samples_per_shard=64, max_length=2048, batch_tokens=0),
+    "full": FeatureConfig(samples_per_shard=512, max_length=4096, batch_tokens=32768,
+                          target_dtype="bfloat16"),
+}
+
+
+def _log(msg: str) -> None:
+    print(f"[extract] {msg}", file=sys.stderr, flush=True)
+
+
+def target_header(target: Target, cfg: FeatureConfig) -> dict:
+    """The header every shard of this target/config carries (and that resume and readers check)."""
+    from eagle3_platform.data.chat import template_hash, tokenizer_hash
+
+    meta = target.meta
+    return {"target_id": meta["target_id"], "weights_hash": meta["weights_hash"],
+            "capture_layer_ids": list(meta["capture_layer_ids"]),
+            "template_hash": template_hash(target.tokenizer),
+            "tokenizer_hash": tokenizer_hash(target.tokenizer),
+            "max_length": cfg.max_length, "dtype": cfg.dtype}
+
+
+# ---------------------------------------------------------------- reading + accounting
+
+def load_records(conv_path: str | Path, header: dict, max_length: int) -> tuple[list[dict], list[Rejection], dict]:
+    """Accepted samples {id, input_ids, loss_mask} (truncated to max_length), rejections, counters."""
+    samples, rejected, stats = [], [], {"read": 0, "truncated": 0}
+    with open(conv_path, "rb") as f:
+        lines = f.read().split(b"\n")
+    for n, line in enumerate(lines):
+        if not line.strip():
+            continue
+        stats["read"] += 1
+        rec, reason = _parse(line, header)
+        if rec is not None and len(rec.input_ids) > max_length:
+            stats["truncated"] += 1
+            rec.input_ids, rec.loss_mask = rec.input_ids[:max_length], rec.loss_mask[:max_length]
+            if not any(rec.loss_mask):
+                reason = "bad:too_long"  # no response token left inside the window
+        if reason:
+            rid, wl, src = (rec.id, rec.workload, rec.source) if rec else (f"line{n + 1}", "", str(conv_path))
+            rejected.append(Rejection(id=rid, workload=wl, source=src, stage=STAGE, reason=reason))
+            continue
+        samples.append({"id": rec.id, "input_ids": rec.input_ids, "loss_mask": rec.loss_mask})
+    return samples, rejected, stats
+
+
+def _parse(line: bytes, header: dict) -> tuple[ConversationRecord | None, str]:
+    try:
+        rec = ConversationRecord.model_validate_json(line)
+    except ValidationError as e:
+        kind = "json" if any(err["type"] == "json_invalid" for err in e.errors()) else "schema"
+        return None, f"bad:{kind}"
+    if rec.target_id != header["target_id"]:
+        return rec, "mismatch:target_id"
+    if rec.template_hash != header["template_hash"]:
+        return rec, "mismatch:template_hash"
+    if not rec.input_ids:
+        return rec, "bad:empty"
+    if len(rec.loss_mask) != len(rec.input_ids):
+        return rec, "bad:mask_length"
+    if not any(rec.loss_mask):
+        return rec, "bad:no_response"
+    return rec, ""
+
+
+# ---------------------------------------------------------------- the forward
+
+def length_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices grouped longest-first so that len(batch) * longest <= budget (>= 1 per batch)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= budget:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+@torch.inference_mode()
+def compute_features(target: Target, samples: list[dict], cfg: FeatureConfig) -> list[dict]:
+    """samples + aux_hidden [T,3H] / last_hidden [T,H] in cfg.dtype, input order kept."""
+    model, layers = target.model, target.layer_ids
+    device, dtype = next(model.parameters()).device, getattr(torch, cfg.dtype)
+    out: list[dict | None] = [None] * len(samples)
+    lengths = [len(s["input_ids"]) for s in samples]
+    for batch in length_batches(lengths, cfg.batch_tokens):
+        T = lengths[batch[0]]  # longest first
+        ids = torch.full((len(batch), T), target.tokenizer.pad_token_id or 0, dtype=torch.long)
+        mask = torch.zeros(len(batch), T, dtype=torch.long)
+        for r, i in enumerate(batch):  # right padding: positions of real tokens are unchanged
+            ids[r, :lengths[i]] = torch.tensor(samples[i]["input_ids"])
+            mask[r, :lengths[i]] = 1
+        padded = bool((mask == 0).any())
+        cap = forward_capture(model, ids.to(device), layers, compute_logits=False,
+                              attention_mask=mask.to(device) if padded else None)
+        aux, last = cap.aux_hidden.to(dtype).cpu(), cap.last_hidden.to(dtype).cpu()  # [B,T,3H], [B,T,H]
+        for r, i in enumerate(batch):
+            out[i] = {**samples[i], "aux_hidden": aux[r, :lengths[i]], "last_hidden": last[r, :lengths[i]]}
+    return out  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------- where shards go
+
+class _Sink:
+    """Local feature dir, optionally mirrored to a Storage under a key prefix (scratch + upload)."""
+
+    def __init__(self, local: Path, storage: Storage | None, prefix: str):
+        self.local, self.storage, self.prefix = local, storage, prefix.strip("/")
+        local.mkdir(parents=True, exist_ok=True)
+
+    def key(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def uri(self, name: str) -> str:
+        return self.storage.uri(self.key(name)) if self.storage else str((self.local / name).resolve())
+
+    def previous_rows(self) -> dict[str, dict]:
+        """Manifest rows of the last run (stored copy wins when mirrored)."""
+        if self.storage and self.storage.exists(self.key(MANIFEST)):
+            self.storage.get_file(self.key(MANIFEST), self.local / MANIFEST)
+        if not (self.local / MANIFEST).exists():
+            return {}
+        return {r["shard"]: r for r in read_manifest(self.local).iter_rows(named=True)}
+
+    def fetch(self, name: str, row: dict) -> bool:
+        """Make the stored shard available locally; False when it is not stored."""
+        path = self.local / name
+        if not self.storage:
+            return path.exists()
+        if not self.storage.exists(self.key(name)):
+            return False
+        if not (path.exists() and path.stat().st_size == row["bytes"]):
+            self.storage.get_file(self.key(name), path)
+        return True
+
+    def publish(self, name: str) -> None:
+        if self.storage:
+            self.storage.put_file(self.local / name, self.key(name))
+
+
+def _reusable(sink: _Sink, name: str, row: dict | None, header: dict, ids: list[str]) -> bool:
+    """A finished shard from an earlier run: sha256 vs manifest, header and record ids as expected."""
+    if row is None or not sink.fetch(name, row):
+        return False
+    try:
+        check_shard(sink.local / name, row, expect=header)
+        return json.loads(read_header(sink.local / name).get("sample_ids", "[]")) == ids
+    except ShardError as e:
+        _log(f"recomputing {name}: {e}")
+        return False
+
+
+# ---------------------------------------------------------------- the job
+
+def _resolve_out(out_dir: str | Path, storage: Storage | None, prefix: str) -> tuple[Path, Storage | None, str]:
+    if storage is None and str(out_dir).startswith("gs://"):
+        uri = str(out_dir)
+        storage = storage_from_uri(uri)
+        scratch = Path(os.environ.get("EAGLE3_SCRATCH", Path.home() / ".cache" / "eagle3" / "scratch"))
+        return scratch / f"features-{hashlib.sha256(uri.encode()).hexdigest()[:16]}", storage, ""
+    return Path(out_dir), storage, prefix
+
+
+def extract_file(target_dir: str | Path, conv_path: str | Path, out_dir: str | Path,
+                 cfg: FeatureConfig, storage: Storage | None = None, prefix: str = "",
+                 target: Target | None = None) -> dict:
+    """Conversation records -> shards + manifest.parquet + rejected.jsonl in out_dir (a local dir, or
+    `gs://bucket/path`); with `storage`, out_dir is the local scratch and files go to storage/prefix.
+    `target` lets a caller pass an already loaded target (benchmarks, tests). Returns the summary."""
+    t0 = time.perf_counter()
+    if target is None:
+        device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        target = load_target(target_dir, dtype=cfg.target_dtype, device=device)
+    header = target_header(target, cfg)
+    local, storage, prefix = _resolve_out(out_dir, storage, prefix)
+    sink = _Sink(local, storage, prefix)
+    samples, rejected, stats = load_records(conv_path, header, cfg.max_length)
+    write_jsonl_atomic(local / REJECTED, rejected)
+    sink.publish(REJECTED)
+    n = cfg.samples_per_shard
+    slices = [samples[i:i + n] for i in range(0, len(samples), n)]
+    previous = sink.previous_rows()
+    rows, written, skipped = [], [], []
+    for k, chunk in enumerate(slices):
+        name, ids = shard_name(k), [s["id"] for s in chunk]
+        if _reusable(sink, name, previous.get(name), header, ids):
+            rows.append(previous[name])
+            skipped.append(name)
+            _log(f"shard {k + 1}/{len(slices)} {name}: verified, kept")
+            continue
+        t = time.perf_counter()
+        row = write_shard(local / name, compute_features(target, chunk, cfg), header)
+        sink.publish(name)
+        rows.append({**row, "uri": sink.uri(name)})
+        written.append(name)
+        _commit_manifest(sink, rows, previous, k)
+        _log(f"shard {k + 1}/{len(slices)} {name}: {row['samples']} samples, {row['tokens']} tokens, "
+             f"{time.perf_counter() - t:.1f}s")
+    _remove_stale(local, len(slices))
+    _commit_manifest(sink, rows, {}, len(slices))
+    summary = _summary(sink, header, stats, rows, rejected, written, skipped, time.perf_counter() - t0)
+    # budget: aux 3H + last H states per token; in bf16 that is 8H bytes (+ ids/mask/offsets/header)
+    itemsize = torch.empty(0, dtype=getattr(torch, cfg.dtype)).element_size()
+    summary["budget_bytes_per_token"] = itemsize * (len(header["capture_layer_ids"]) + 1) * target.meta["hidden_size"]
+    return summary
+
+
+def _commit_manifest(sink: _Sink, rows: list[dict], previous: dict, upto: int) -> None:
+    """Finished rows plus the earlier run's rows for shards not reached yet (still valid, and
+    re-verified when reached), so a kill never forgets work already done."""
+    done = {r["shard"] for r in rows}
+    later = [r for name, r in previous.items()
+             if name not in done and name > shard_name(upto)]
+    write_manifest(sink.local, rows + later)
+    sink.publish(MANIFEST)
+
+
+def _remove_stale(local: Path, n_shards: int) -> None:
+    """Shards past the end (an earlier run over a longer input) must not look like data."""
+    for p in local.glob("shard-*.safetensors"):
+        if p.name >= shard_name(n_shards):
+            p.unlink()
+
+
+def _summary(sink, header, stats, rows, rejected, written, skipped, seconds) -> dict:
+    by_reason: dict[str, int] = {}
+    for r in rejected:
+        by_reason[r.reason] = by_reason.get(r.reason, 0) + 1
+    samples = sum(r["samples"] for r in rows)
+    tokens = sum(r["tokens"] for r in rows)
+    nbytes = sum(r["bytes"] for r in rows)
+    if stats["read"] != samples + len(rejected):
+        raise RuntimeError(f"accounting broken: read {stats['read']} != {samples} + {len(rejected)}")
+    return {"read": stats["read"], "samples": samples, "rejected": len(rejected),
+            "by_reason": by_reason, "truncated": stats["truncated"], "shards": len(rows),
+            "shards_written": len(written), "shards_skipped": len(skipped), "tokens": tokens,
+            "bytes": nbytes, "bytes_per_token": round(nbytes / tokens, 1) if tokens else None,
+            "manifest": sink.uri(MANIFEST), "out": sink.uri(""),
+            "header": header, "seconds": round(seconds, 2)}
