@@ -1,0 +1,45 @@
+"""`eagle3 serve`: the embedded OpenAI-compatible server (baseline without --draft)."""
+from __future__ import annotations
+
+import logging
+import os
+
+from eagle3_platform.serve.config import PRESETS
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser("serve", help="serve the target (+ EAGLE-3 draft) over an OpenAI-compatible API")
+    p.add_argument("--target", required=True, help="prepared target directory")
+    p.add_argument("--draft", default=None, help="exported draft directory (omit for the baseline)")
+    p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (0 = pick a free one)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (default: $EAGLE3_API_KEY if set)")
+    p.add_argument("--spec", default="chain", help="speculative preset: chain | tree | tiny")
+    p.add_argument("--preset", default="demo", choices=sorted(PRESETS), help="server limits preset")
+    p.add_argument("--max-tokens", type=int, default=None, help="server bound on max_tokens")
+    p.add_argument("--max-queue", type=int, default=None, help="queued+running requests bound")
+    p.add_argument("--model-name", default=None, help="id shown by /v1/models")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--ready-file", default=None, help="write {url, port, pid} here once bound")
+    p.set_defaults(func=serve)
+
+
+def serve(a) -> dict:
+    from eagle3_platform.serve.server import API_KEY_ENV, build_app, build_engine, run_server
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if a.threads:
+        import torch
+        torch.set_num_threads(a.threads)
+    cfg = PRESETS[a.preset].with_(host=a.host, port=a.port, max_tokens=a.max_tokens,
+                                  max_queue=a.max_queue, model_name=a.model_name)
+    if cfg.max_tokens < 1 or cfg.max_queue < 1:
+        raise ValueError("--max-tokens and --max-queue must be >= 1")
+    engine, target, info = build_engine(a.target, a.draft, a.spec, a.dtype)
+    context = int(getattr(target.model.config, "max_position_embeddings", 2048))
+    name = info["target_id"] + ("-eagle3" if info["draft"] else "")
+    app = build_app(engine, target.tokenizer, cfg, model_name=name, context_length=context,
+                    api_key=a.api_key or os.environ.get(API_KEY_ENV), info=info)
+    return run_server(app, cfg, ready_file=a.ready_file)

@@ -1,0 +1,29 @@
+"""Embedded server settings: typed, with named presets (no magic numbers in the handlers)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    host: str = "127.0.0.1"           # loopback by default: exposing the port is an explicit choice
+    port: int = 8000                  # 0 = pick a free port (reported through --ready-file)
+    max_tokens: int = 512             # server bound on a request's max_tokens (requests are clamped)
+    default_max_tokens: int = 128     # when a request gives none
+    max_queue: int = 64               # waiting + running requests; beyond this → 503
+    max_body_bytes: int = 1 << 20     # request bodies larger than this → 413
+    max_stop: int = 4                 # OpenAI allows up to 4 stop strings
+    shutdown_grace_s: float = 5.0     # in-flight requests get this long to finish on SIGTERM/SIGINT
+    retry_after_s: int = 1            # Retry-After header on 503
+    model_name: str | None = None     # /v1/models id; defaults to the target id
+
+    def with_(self, **kw) -> "ServeConfig":
+        return replace(self, **{k: v for k, v in kw.items() if v is not None})
+
+
+PRESETS: dict[str, ServeConfig] = {
+    "tiny": ServeConfig(max_tokens=64, default_max_tokens=16, max_queue=32),
+    "demo": ServeConfig(max_tokens=256, default_max_tokens=64, max_queue=64),
+    "full": ServeConfig(max_tokens=4096, default_max_tokens=256, max_queue=256,
+                        shutdown_grace_s=30.0),
+}

@@ -1,0 +1,392 @@
+"""Embedded OpenAI-compatible server (Starlette + uvicorn) over one speculative engine.
+
+Routes: POST /v1/chat/completions, POST /v1/completions (SSE streaming or full JSON),
+GET /v1/models, GET /health, GET /server_info (SGLang-compatible `avg_spec_accept_length`).
+The engine is injected (`build_app(engine, tokenizer, ...)`), so tests run with a fake;
+`build_engine(target_dir, draft_dir, spec)` builds the real one. Prompt and output text never reach
+the logs (they may hold PII): only ids, token counts, timings.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import hmac
+import json
+import logging
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from eagle3_platform.serve import protocol as P
+from eagle3_platform.serve.config import ServeConfig
+from eagle3_platform.serve.text import TextStream
+from eagle3_platform.serve.worker import EngineWorker, Job, QueueFull
+
+log = logging.getLogger("eagle3.serve")
+API_KEY_ENV = "EAGLE3_API_KEY"
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: dict) -> bytes:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+
+def error_response(e: P.APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+class EngineFailure(Exception):
+    pass
+
+
+class Service:
+    """Request handling. One instance per app; the worker owns the engine."""
+
+    def __init__(self, engine, tokenizer, cfg: ServeConfig, *, model_name: str,
+                 context_length: int, api_key: str | None = None, info: dict | None = None):
+        self.cfg = cfg
+        # A private tokenizer copy: the engine thread may use the original concurrently, and a fast
+        # tokenizer's encode mutates its truncation state ("Already borrowed" under contention).
+        self.tok = copy.deepcopy(tokenizer)
+        self.model_name = model_name
+        self.context_length = context_length
+        self.api_key = api_key or None
+        self.info = info or {}
+        self.worker = EngineWorker(engine, cfg.max_queue)
+        self.started = time.time()
+        self.counts = {"requests_total": 0, "requests_rejected": 0, "requests_ok": 0,
+                       "requests_failed": 0}
+
+    # -- plumbing --------------------------------------------------------------------------------
+    def check_auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        got = request.headers.get("authorization", "")
+        scheme, _, token = got.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+            raise P.APIError(401, "missing or invalid API key (Authorization: Bearer <key>)",
+                             type_="authentication_error")
+
+    async def read_json(self, request: Request) -> dict:
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > self.cfg.max_body_bytes:
+            raise P.APIError(413, f"request body larger than {self.cfg.max_body_bytes} bytes")
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > self.cfg.max_body_bytes:
+                raise P.APIError(413, f"request body larger than {self.cfg.max_body_bytes} bytes")
+        try:
+            obj = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise P.APIError(400, "request body is not valid JSON") from None
+        if not isinstance(obj, dict):
+            raise P.APIError(400, "request body must be a JSON object")
+        return obj
+
+    def encode_chat(self, req: P.ChatRequest) -> list[int]:
+        msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            out = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        except Exception as e:  # template-level refusals (e.g. role order) are the client's error
+            raise P.APIError(400, f"messages rejected by the chat template: {type(e).__name__}",
+                             param="messages") from None
+        ids = out["input_ids"] if hasattr(out, "keys") else out
+        return [int(i) for i in ids]
+
+    def encode_text(self, text: str) -> list[int]:
+        return [int(i) for i in self.tok(text, add_special_tokens=False)["input_ids"]]
+
+    def budget(self, req: P._Sampling, n_prompt: int) -> int:
+        """max_tokens clamped by the server bound and by what is left of the context."""
+        room = self.context_length - n_prompt
+        if n_prompt == 0:
+            raise P.APIError(400, "the prompt is empty", param="messages")
+        if room < 1:
+            raise P.APIError(400, f"prompt is {n_prompt} tokens; the context holds "
+                                  f"{self.context_length}", param="messages")
+        if len(req.stop_list()) > self.cfg.max_stop:
+            raise P.APIError(400, f"at most {self.cfg.max_stop} stop strings", param="stop")
+        asked = req.requested_max_tokens() or self.cfg.default_max_tokens
+        return min(asked, self.cfg.max_tokens, room)
+
+    def submit(self, ids: list[int], req: P._Sampling, max_new: int) -> tuple[Job, asyncio.Queue]:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def emit(ev):
+            with contextlib.suppress(RuntimeError):  # loop already closed at shutdown
+                loop.call_soon_threadsafe(events.put_nowait, ev)
+
+        job = Job(ids, max_new, float(req.temperature), tuple(req.stop_list()), req.seed, emit)
+        try:
+            self.worker.submit(job)
+        except QueueFull as e:
+            raise P.APIError(503, str(e), type_="server_overloaded",
+                             headers={"Retry-After": str(self.cfg.retry_after_s)}) from None
+        return job, events
+
+    async def generate(self, job: Job, events: asyncio.Queue, n_prompt: int):
+        """Yield ("text", delta)… then ("end", finish_reason, usage). Cancels the job if abandoned."""
+        ts = TextStream(self.tok, job.stop)
+        n_out, info = 0, {}
+        try:
+            while True:
+                kind, val = await events.get()
+                if kind == "error":
+                    raise EngineFailure(val)
+                if kind == "done":
+                    info = val
+                    break
+                n_out += len(val)
+                delta = ts.feed(val)
+                if delta:
+                    yield ("text", delta)
+                if ts.stopped:
+                    job.cancelled.set()  # stop string seen: the rest is not needed
+            tail = ts.flush()
+            if tail:
+                yield ("text", tail)
+        finally:
+            job.cancelled.set()  # client gone or done: either way the worker may stop
+        finish = "stop" if ts.stopped or n_out < job.max_new_tokens else "length"
+        steps = int(info.get("verify_steps", 0))
+        log.info("request %d: prompt_tokens=%d completion_tokens=%d verify_steps=%d finish=%s "
+                 "%.2fs", job.id, n_prompt, n_out, steps, finish, info.get("seconds", 0.0))
+        yield ("end", finish, P.usage(n_prompt, n_out, steps))
+
+    # -- handlers --------------------------------------------------------------------------------
+    async def chat(self, request: Request):
+        return await self._complete(request, chat=True)
+
+    async def completions(self, request: Request):
+        return await self._complete(request, chat=False)
+
+    async def _complete(self, request: Request, chat: bool):
+        try:
+            self.check_auth(request)
+            body = await self.read_json(request)
+            try:
+                req = (P.ChatRequest if chat else P.CompletionRequest).model_validate(body)
+            except ValidationError as e:
+                raise P.APIError(400, P.validation_message(e)) from None
+            ids = self.encode_chat(req) if chat else self.encode_text(req.prompt_text())
+            max_new = self.budget(req, len(ids))
+            job, events = self.submit(ids, req, max_new)
+        except P.APIError as e:
+            self.counts["requests_rejected"] += 1
+            return error_response(e)
+        self.counts["requests_total"] += 1
+        rid = P.new_id("chatcmpl" if chat else "cmpl")
+        stream = self.generate(job, events, len(ids))
+        if req.stream:
+            return StreamingResponse(self._sse(stream, rid, chat, req.include_usage()),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await self._full(stream, rid, chat)
+
+    async def _full(self, stream, rid: str, chat: bool):
+        parts, created = [], P.now()
+        try:
+            async for ev in stream:
+                if ev[0] == "text":
+                    parts.append(ev[1])
+                else:
+                    _, finish, use = ev
+        except EngineFailure as e:
+            self.counts["requests_failed"] += 1
+            return error_response(P.APIError(500, str(e), type_="server_error"))
+        self.counts["requests_ok"] += 1
+        build = P.chat_response if chat else P.completion_response
+        return JSONResponse(build(rid, self.model_name, created, "".join(parts), finish, use))
+
+    async def _sse(self, stream, rid: str, chat: bool, include_usage: bool):
+        created, model = P.now(), self.model_name
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(text: str | None, finish: str | None) -> dict:
+            if chat:
+                delta = {} if text is None else {"content": text}
+                return P.chat_chunk(rid, model, created, delta, finish)
+            return P.completion_chunk(rid, model, created, text or "", finish)
+
+        try:
+            if chat:
+                yield sse(P.chat_chunk(rid, model, created, {"role": "assistant", "content": ""},
+                                       None))
+            async for ev in stream:
+                if ev[0] == "text":
+                    yield sse(chunk(ev[1], None))
+                    continue
+                _, finish, use = ev
+                yield sse(chunk(None, finish))
+                if include_usage:
+                    yield sse(P.usage_chunk(rid, model, created, obj, use))
+            self.counts["requests_ok"] += 1
+        except EngineFailure as e:
+            self.counts["requests_failed"] += 1
+            yield sse(P.APIError(500, str(e), type_="server_error").body())
+        finally:
+            await stream.aclose()
+        yield SSE_DONE
+
+    async def models(self, request: Request):
+        try:
+            self.check_auth(request)
+        except P.APIError as e:
+            return error_response(e)
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": int(self.started),
+             "owned_by": "eagle3-platform", "max_model_len": self.context_length}]})
+
+    async def health(self, request: Request):
+        alive = self.worker._thread.is_alive()
+        return JSONResponse({"status": "ok" if alive else "engine worker stopped"},
+                            status_code=200 if alive else 503)
+
+    async def server_info(self, request: Request):
+        try:
+            self.check_auth(request)
+        except P.APIError as e:
+            return error_response(e)
+        return JSONResponse(self.server_info_dict())
+
+    def server_info_dict(self) -> dict:
+        t = self.worker.totals
+        tau = t.generated_tokens / t.verify_steps if t.verify_steps else None
+        return {
+            **self.info,
+            "model": self.model_name,
+            "context_length": self.context_length,
+            "max_tokens": self.cfg.max_tokens,
+            "max_queue": self.cfg.max_queue,
+            # SGLang's key (older top-level form and newer internal_states form).
+            "avg_spec_accept_length": tau,
+            "internal_states": [{"avg_spec_accept_length": tau}],
+            "spec_generated_tokens": t.generated_tokens,
+            "spec_verify_steps": t.verify_steps,
+            **self.counts,
+            "requests_completed": t.requests_completed,
+            "requests_cancelled": t.requests_cancelled,
+            "engine_errors": t.requests_failed,
+            "queue_depth": self.worker.outstanding - int(self.worker.busy),
+            "in_flight": int(self.worker.busy),
+            "uptime_s": round(time.time() - self.started, 3),
+        }
+
+
+def build_app(engine, tokenizer, cfg: ServeConfig | None = None, *, model_name: str = "eagle3",
+              context_length: int = 2048, api_key: str | None = None,
+              info: dict | None = None) -> Starlette:
+    cfg = cfg or ServeConfig()
+    svc = Service(engine, tokenizer, cfg, model_name=cfg.model_name or model_name,
+                  context_length=context_length, api_key=api_key, info=info)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        svc.worker.start()
+        try:
+            yield
+        finally:
+            svc.worker.stop(timeout=cfg.shutdown_grace_s)
+
+    async def not_found(request, exc):
+        return error_response(P.APIError(404, f"no route {request.url.path}"))
+
+    async def bad_method(request, exc):
+        return error_response(P.APIError(405, f"method {request.method} not allowed"))
+
+    async def crash(request, exc):  # last resort: still JSON, never a traceback to the client
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(P.APIError(500, "internal server error", type_="server_error"))
+
+    app = Starlette(
+        routes=[Route("/v1/chat/completions", svc.chat, methods=["POST"]),
+                Route("/v1/completions", svc.completions, methods=["POST"]),
+                Route("/v1/models", svc.models, methods=["GET"]),
+                Route("/health", svc.health, methods=["GET"]),
+                Route("/server_info", svc.server_info, methods=["GET"]),
+                Route("/get_server_info", svc.server_info, methods=["GET"])],
+        exception_handlers={404: not_found, 405: bad_method, Exception: crash},
+        lifespan=lifespan)
+    app.state.service = svc
+    return app
+
+
+def build_engine(target_dir: str | Path, draft_dir: str | Path | None = None, spec: str = "chain",
+                 dtype: str = "float32"):
+    """The real engine from a prepared target (+ optional exported draft). Imports torch lazily."""
+    from eagle3_platform.spec.config import get_preset
+    from eagle3_platform.spec.engine import SpecEngine
+    from eagle3_platform.target import load_target
+
+    target = load_target(target_dir, dtype=dtype)
+    draft = None
+    if draft_dir is not None:
+        from eagle3_platform.draft.export import load_export
+        draft = load_export(draft_dir, target)
+    cfg = get_preset(spec if draft is not None else "baseline")
+    info = {"target_id": target.meta.get("target_id"), "draft": draft is not None,
+            "spec": spec if draft is not None else "baseline", "spec_config": cfg.to_dict()}
+    return SpecEngine(target, draft, cfg), target, info
+
+
+class _Server:
+    """uvicorn.Server whose signal handling ends in a normal return (exit 0), not a re-raise."""
+
+    @staticmethod
+    def make(config):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):
+                sigs = (signal.SIGINT, signal.SIGTERM)
+                old = {s: signal.signal(s, self.handle_exit) for s in sigs}
+                try:
+                    yield
+                finally:
+                    for s, h in old.items():
+                        signal.signal(s, h)
+
+        return Server(config)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_server(app: Starlette, cfg: ServeConfig, ready_file: str | Path | None = None,
+               log_level: str = "info") -> dict:
+    """Serve until SIGTERM/SIGINT; in-flight requests get cfg.shutdown_grace_s to finish."""
+    import uvicorn
+
+    sock = bind_socket(cfg.host, cfg.port)
+    host, port = sock.getsockname()[:2]
+    url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+    if ready_file:
+        tmp = Path(str(ready_file) + ".tmp")
+        tmp.write_text(json.dumps({"url": url, "port": port, "pid": os.getpid()}))
+        os.replace(tmp, ready_file)
+    config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=cfg.shutdown_grace_s)
+    server = _Server.make(config)
+    log.info("serving on %s", url)
+    print(f"[serve] listening on {url}", flush=True)
+    server.run(sockets=[sock])
+    svc = app.state.service
+    return {"url": url, **{k: v for k, v in svc.server_info_dict().items()
+                           if k.startswith("requests") or k.startswith("spec_")}}

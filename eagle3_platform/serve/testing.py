@@ -1,0 +1,82 @@
+"""A deterministic stand-in engine for server/bench tests (no torch, no model).
+
+`FakeEngine` implements the SpecEngine surface the server uses: `.stream(...)` yielding chunks of
+token ids and `last_stats` after the stream ends. `python -m eagle3_platform.serve.testing` serves it
+over HTTP exactly like `eagle3 serve` (same app, same shutdown path) so subprocess tests are fast.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import random
+import time
+from typing import Iterator, Sequence
+
+
+class FakeEngine:
+    """Echo-ish engine: emits text token ids cycling through `vocab_ids`, `chunk` ids per verify."""
+
+    def __init__(self, vocab_ids: Sequence[int], eos_id: int | None = None, chunk: int = 2,
+                 delay_s: float = 0.0, fail_after: int | None = None):
+        self.vocab_ids = list(vocab_ids)
+        self.eos_id = eos_id
+        self.chunk = chunk
+        self.delay_s = delay_s
+        self.fail_after = fail_after
+        self.last_stats: dict = {}
+        self.calls: list[dict] = []
+
+    def stream(self, input_ids, max_new_tokens, temperature=0.0, stop=(), seed=None
+               ) -> Iterator[list[int]]:
+        self.calls.append({"n_prompt": len(input_ids), "max_new_tokens": max_new_tokens,
+                           "temperature": temperature, "stop": tuple(stop), "seed": seed})
+        rng = random.Random(seed if seed is not None else sum(input_ids))
+        start = rng.randrange(len(self.vocab_ids)) if temperature > 0 else len(input_ids)
+        produced, steps = 0, 0
+        while produced < max_new_tokens:
+            if self.fail_after is not None and produced >= self.fail_after:
+                raise RuntimeError("fake engine failure")
+            n = min(self.chunk, max_new_tokens - produced)
+            out = [self.vocab_ids[(start + produced + i) % len(self.vocab_ids)] for i in range(n)]
+            produced, steps = produced + n, steps + 1
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            yield out
+        self.last_stats = {"generated_tokens": produced, "verify_steps": steps,
+                           "acceptance_length": produced / max(steps, 1), "finish_reason": "length"}
+
+    def generate(self, input_ids, max_new_tokens, temperature=0.0, stop=(), seed=None):
+        toks = [t for c in self.stream(input_ids, max_new_tokens, temperature, stop, seed) for t in c]
+        return toks, dict(self.last_stats)
+
+
+def word_token_ids(tokenizer, text: str = "the quick brown fox jumps over the lazy dog ") -> list[int]:
+    """Ids whose decoding is plain text, so streamed output is readable and stop strings work."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def main(argv=None) -> int:
+    from eagle3_platform.serve.config import PRESETS
+    from eagle3_platform.serve.server import API_KEY_ENV, build_app, run_server
+    from eagle3_platform.target import tiny_tokenizer
+    import os
+
+    ap = argparse.ArgumentParser(description="serve the fake engine (tests)")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--ready-file", required=True)
+    ap.add_argument("--delay-s", type=float, default=0.01)
+    ap.add_argument("--chunk", type=int, default=2)
+    ap.add_argument("--shutdown-grace-s", type=float, default=5.0)
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    tok = tiny_tokenizer()
+    engine = FakeEngine(word_token_ids(tok), chunk=a.chunk, delay_s=a.delay_s)
+    cfg = PRESETS["tiny"].with_(port=a.port, shutdown_grace_s=a.shutdown_grace_s)
+    app = build_app(engine, tok, cfg, model_name="fake", context_length=512,
+                    api_key=os.environ.get(API_KEY_ENV), info={"draft": True, "spec": "fake"})
+    run_server(app, cfg, ready_file=a.ready_file)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

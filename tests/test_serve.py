@@ -1,0 +1,317 @@
+"""Embedded OpenAI-compatible server: format, validation, auth, accounting, concurrency, shutdown."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+
+import httpx
+import pytest
+from starlette.testclient import TestClient
+
+from eagle3_platform.serve.config import ServeConfig
+from eagle3_platform.serve.server import build_app
+from eagle3_platform.serve.testing import FakeEngine, word_token_ids
+from eagle3_platform.serve.text import TextStream
+from eagle3_platform.target import tiny_tokenizer
+
+CHAT = "/v1/chat/completions"
+MSGS = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+def make_app(tok, engine=None, api_key=None, **cfg):
+    engine = engine or FakeEngine(word_token_ids(tok), chunk=3)
+    base = ServeConfig(max_tokens=40, default_max_tokens=12, max_queue=16, max_body_bytes=20_000)
+    app = build_app(engine, tok, base.with_(**cfg), model_name="fake-model",
+                    context_length=256, api_key=api_key)
+    return app, engine
+
+
+@pytest.fixture()
+def client(tok):
+    app, engine = make_app(tok)
+    with TestClient(app) as c:
+        c.engine = engine
+        yield c
+
+
+def sse_events(text: str) -> list:
+    lines = [ln for ln in text.split("\n") if ln.strip()]
+    assert all(ln.startswith("data: ") for ln in lines), lines
+    return [ln[len("data: "):] for ln in lines]
+
+
+def test_chat_non_streaming(client, tok):
+    r = client.post(CHAT, json={"messages": MSGS, "max_tokens": 7})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "chat.completion"
+    choice = body["choices"][0]
+    assert choice["message"]["role"] == "assistant" and choice["message"]["content"]
+    assert choice["finish_reason"] == "length"
+    u = body["usage"]
+    assert u["completion_tokens"] == 7
+    assert u["total_tokens"] == u["prompt_tokens"] + 7
+    # The engine saw the chat template + generation prompt, not raw text.
+    ids = tok.apply_chat_template(MSGS, add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert client.engine.calls[-1]["n_prompt"] == len(ids)
+    assert client.engine.calls[-1]["max_new_tokens"] == 7
+
+
+def test_chat_streaming_matches_non_streaming(client):
+    full = client.post(CHAT, json={"messages": MSGS, "max_tokens": 9}).json()
+    r = client.post(CHAT, json={"messages": MSGS, "max_tokens": 9, "stream": True,
+                                "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == full["choices"][0]["message"]["content"]
+    finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert [c["choices"][0]["finish_reason"] for c in finals] == ["length"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 9
+
+
+def test_stream_without_include_usage_has_no_usage_chunk(client):
+    r = client.post(CHAT, json={"messages": MSGS, "max_tokens": 4, "stream": True})
+    chunks = [json.loads(e) for e in sse_events(r.text)[:-1]]
+    assert all("usage" not in c for c in chunks)
+
+
+def test_completions_raw_prompt(client, tok):
+    r = client.post("/v1/completions", json={"prompt": "The quick", "max_tokens": 5})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "text_completion" and body["choices"][0]["text"]
+    assert client.engine.calls[-1]["n_prompt"] == len(tok("The quick")["input_ids"])
+    r = client.post("/v1/completions", json={"prompt": "The quick", "max_tokens": 5, "stream": True})
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+    assert text == body["choices"][0]["text"]
+
+
+def test_stop_string_truncates_and_finishes(client):
+    full = client.post(CHAT, json={"messages": MSGS, "max_tokens": 30}).json()
+    text = full["choices"][0]["message"]["content"]
+    stop = "fox"
+    assert stop in text
+    r = client.post(CHAT, json={"messages": MSGS, "max_tokens": 30, "stop": [stop]}).json()
+    assert r["choices"][0]["message"]["content"] == text[:text.index(stop)]
+    assert r["choices"][0]["finish_reason"] == "stop"
+    assert client.engine.calls[-1]["stop"] == (stop,)
+    s = client.post(CHAT, json={"messages": MSGS, "max_tokens": 30, "stop": stop, "stream": True})
+    chunks = [json.loads(e) for e in sse_events(s.text)[:-1]]
+    streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert streamed == text[:text.index(stop)]
+
+
+def test_params_reach_engine_and_max_tokens_is_bounded(client):
+    client.post(CHAT, json={"messages": MSGS, "max_tokens": 10_000, "temperature": 0.7, "seed": 5})
+    call = client.engine.calls[-1]
+    assert call["max_new_tokens"] == 40          # server bound
+    assert call["temperature"] == 0.7 and call["seed"] == 5
+    client.post(CHAT, json={"messages": MSGS})
+    assert client.engine.calls[-1]["max_new_tokens"] == 12  # server default
+
+
+def test_models_and_health(client):
+    r = client.get("/v1/models")
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == "fake-model"
+    h = client.get("/health")
+    assert h.status_code == 200 and h.json()["status"] == "ok"
+
+
+def test_server_info_accounting(client):
+    before = client.get("/server_info").json()
+    assert before["avg_spec_accept_length"] is None and before["spec_verify_steps"] == 0
+    for n in (6, 7):  # fake engine: 3 tokens per verify step → steps 2 and 3
+        client.post(CHAT, json={"messages": MSGS, "max_tokens": n})
+    info = client.get("/server_info").json()
+    assert info["spec_generated_tokens"] == 13 and info["spec_verify_steps"] == 5
+    assert info["avg_spec_accept_length"] == pytest.approx(13 / 5)
+    assert info["internal_states"][0]["avg_spec_accept_length"] == pytest.approx(13 / 5)
+    assert info["requests_total"] == 2 and info["requests_ok"] == 2
+    assert info["requests_completed"] == 2
+    client.post(CHAT, content=b"{not json")
+    assert client.get("/server_info").json()["requests_rejected"] == 1
+
+
+BAD = [
+    (b"{not json", 400),
+    (b"[1, 2]", 400),
+    (json.dumps({"max_tokens": 5}).encode(), 400),                               # no messages
+    (json.dumps({"messages": []}).encode(), 400),
+    (json.dumps({"messages": "hi"}).encode(), 400),                              # wrong type
+    (json.dumps({"messages": [{"role": "user", "content": 5}]}).encode(), 400),
+    (json.dumps({"messages": [{"role": "robot", "content": "x"}]}).encode(), 400),
+    (json.dumps({"messages": MSGS, "max_tokens": -1}).encode(), 400),
+    (json.dumps({"messages": MSGS, "max_tokens": "10"}).encode(), 400),
+    (json.dumps({"messages": MSGS, "temperature": "hot"}).encode(), 400),
+    (json.dumps({"messages": MSGS, "stream": "yes"}).encode(), 400),
+    (json.dumps({"messages": MSGS, "n": 2}).encode(), 400),
+    (json.dumps({"messages": MSGS, "stop": ["a", "b", "c", "d", "e"]}).encode(), 400),
+    (json.dumps({"messages": [{"role": "user", "content": "word " * 400}]}).encode(), 400),  # > ctx
+    (json.dumps({"messages": [{"role": "user", "content": "x" * 30_000}]}).encode(), 413),  # body
+]
+
+
+@pytest.mark.parametrize("body,status", BAD)
+def test_bad_requests_are_4xx_json(client, body, status):
+    r = client.post(CHAT, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert err["message"] and err["code"] == status
+    # The server is still fine afterwards.
+    assert client.post(CHAT, json={"messages": MSGS, "max_tokens": 2}).status_code == 200
+
+
+def test_validation_errors_do_not_echo_user_text(client):
+    secret = "alice@example.com"
+    r = client.post(CHAT, json={"messages": [{"role": "robot", "content": secret}]})
+    assert r.status_code == 400 and secret not in r.text
+
+
+def test_unknown_route_and_method(client):
+    assert client.get("/nope").status_code == 404 and "error" in client.get("/nope").json()
+    r = client.get(CHAT)
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_api_key(tok):
+    app, _ = make_app(tok, api_key="s3cret")
+    with TestClient(app) as c:
+        assert c.post(CHAT, json={"messages": MSGS}).status_code == 401
+        r = c.post(CHAT, json={"messages": MSGS}, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        ok = c.post(CHAT, json={"messages": MSGS}, headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200
+        assert c.get("/v1/models").status_code == 401
+        assert c.get("/server_info", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert c.get("/health").status_code == 200  # probes need no key
+
+
+def test_engine_error_is_json_500_and_server_survives(tok):
+    engine = FakeEngine(word_token_ids(tok), chunk=2, fail_after=4)
+    app, _ = make_app(tok, engine=engine)
+    with TestClient(app) as c:
+        r = c.post(CHAT, json={"messages": MSGS, "max_tokens": 10})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        s = c.post(CHAT, json={"messages": MSGS, "max_tokens": 10, "stream": True})
+        events = sse_events(s.text)
+        assert events[-1] == "[DONE]" and "error" in json.loads(events[-2])
+        assert c.post(CHAT, json={"messages": MSGS, "max_tokens": 3}).status_code == 200
+        assert c.get("/server_info").json()["requests_failed"] == 2
+
+
+def test_text_stream_holds_back_partial_stop_and_utf8(tok):
+    ids = tok("héllo wörld foo", add_special_tokens=False)["input_ids"]
+    ts = TextStream(tok, stop=["wör"])
+    out = "".join(ts.feed([i]) for i in ids) + ts.flush()
+    assert out == "héllo " and ts.stopped
+    ts = TextStream(tok)
+    out = "".join(ts.feed([i]) for i in ids) + ts.flush()
+    assert out == "héllo wörld foo" and "\ufffd" not in out
+
+
+# -- real sockets -------------------------------------------------------------------------------
+
+class ThreadServer:
+    """uvicorn in a background thread (no signal handlers off the main thread)."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        from eagle3_platform.serve.server import bind_socket
+        self.sock = bind_socket("127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]})
+
+    def __enter__(self):
+        self.thread.start()
+        from eagle3_platform.serve.launch import wait_healthy
+        wait_healthy(self.url, None, 20, None)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(20)
+
+
+def test_concurrent_clients_all_served(tok):
+    engine = FakeEngine(word_token_ids(tok), chunk=2, delay_s=0.005)
+    app, _ = make_app(tok, engine=engine)
+    results, n = [], 8
+    with ThreadServer(app) as srv:
+        def one(i):
+            body = {"messages": [{"role": "user", "content": f"q{i}"}], "max_tokens": 8,
+                    "stream": i % 2 == 0, "stream_options": {"include_usage": True}}
+            r = httpx.post(srv.url + CHAT, json=body, timeout=60)
+            results.append((r.status_code, r.text))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        [t.start() for t in threads]
+        [t.join(60) for t in threads]
+        info = httpx.get(srv.url + "/server_info").json()
+    assert len(results) == n and all(s == 200 for s, _ in results), results
+    assert info["requests_ok"] == n and info["spec_generated_tokens"] == 8 * n
+
+
+def test_queue_bound_gives_503_json(tok):
+    engine = FakeEngine(word_token_ids(tok), chunk=1, delay_s=0.05)
+    app, _ = make_app(tok, engine=engine, max_queue=1)
+    statuses = []
+    with ThreadServer(app) as srv:
+        def one():
+            r = httpx.post(srv.url + CHAT, json={"messages": MSGS, "max_tokens": 10}, timeout=60)
+            statuses.append((r.status_code, r.json()))
+
+        threads = [threading.Thread(target=one) for _ in range(4)]
+        [t.start() for t in threads]
+        [t.join(60) for t in threads]
+    codes = sorted(s for s, _ in statuses)
+    assert codes[0] == 200 and 503 in codes
+    assert all("error" in b for s, b in statuses if s == 503)
+
+
+@pytest.mark.integration
+def test_subprocess_server_clean_shutdown_with_inflight_request(tmp_path):
+    from eagle3_platform.serve.launch import spawn_server
+
+    cmd = [sys.executable, "-m", "eagle3_platform.serve.testing", "--delay-s", "0.05",
+           "--chunk", "1"]
+    h = spawn_server(cmd, api_key="k", log_path=tmp_path / "server.log", timeout=60)
+    got = {}
+
+    def slow():
+        body = {"messages": MSGS, "max_tokens": 30, "stream": True}
+        with httpx.stream("POST", h.url + CHAT, json=body, headers=h.headers(), timeout=60) as r:
+            got["status"] = r.status_code
+            got["text"] = "".join(r.iter_text())
+
+    t = threading.Thread(target=slow)
+    t.start()
+    import time
+    deadline = time.time() + 20
+    while time.time() < deadline:  # wait until the request is running
+        if httpx.get(h.url + "/server_info", headers=h.headers()).json()["in_flight"]:
+            break
+        time.sleep(0.05)
+    assert httpx.get(h.url + "/server_info").status_code == 401
+    os.kill(h.pid, signal.SIGTERM)
+    t.join(30)
+    assert h.proc.wait(30) == 0
+    assert got["status"] == 200 and got["text"].rstrip().endswith("data: [DONE]")
+    log = (tmp_path / "server.log").read_text()
+    assert "capital of France" not in log  # no prompt text in logs
