@@ -1,0 +1,83 @@
+"""`benchmark_report`: Locust sweep over concurrency, baseline vs EAGLE-3, on held-out prompts.
+
+Locust monkey-patches sockets (gevent), so it never runs inside Dagster's process: the asset starts
+both endpoints, then runs `eagle3 bench` as its own process and publishes the report directory."""
+
+import json
+import subprocess
+import sys
+
+from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
+
+from assets.deploy import deployment
+from assets.metadata import summary_metadata
+from assets.partitions import Keys, workload_partitions
+from resources import PresetResource, ServingResource, StorageResource, TargetResource
+from resources.preset import cfg_get
+from resources.storage import PROJECT_ROOT
+
+
+def heldout_prompts(storage: StorageResource, out) -> dict:
+    """All held-out (eval split) prompt records of the available workloads, in one JSONL file."""
+    counts = {}
+    with open(out, "w") as f:
+        for w in workload_partitions.get_partition_keys():
+            key = Keys.kept(w, "eval")
+            if storage.exists(key):
+                lines = [ln for ln in storage.fetch(key).read_text().splitlines() if ln.strip()]
+                f.write("".join(ln + "\n" for ln in lines))
+                counts[w] = len(lines)
+    if not counts:
+        raise FileNotFoundError("no held-out prompts in storage: materialize filtered_prompts first")
+    return counts
+
+
+def bench_args(cfg, url: str, baseline: str, prompts, out) -> list[str]:
+    args = ["bench", "--url", url, "--baseline-url", baseline, "--prompts", str(prompts), "--out", str(out)]
+    for field, flag in (("concurrency", "--concurrency"), ("duration_s", "--duration"),
+                        ("max_tokens", "--max-tokens")):
+        v = cfg_get(cfg, field)
+        if v is not None:
+            args += [flag, ",".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)]
+    return args
+
+
+@asset(deps=[deployment], group_name="serving", kinds={"locust"}, code_version="1")
+def benchmark_report(context: AssetExecutionContext, storage: StorageResource, target: TargetResource,
+                     serving: ServingResource, preset: PresetResource) -> MaterializeResult:
+    export = storage.fetch_dir(Keys.EXPORT)
+    out = storage.staging(Keys.BENCH, context.run_id)
+    counts = heldout_prompts(storage, out / "prompts.jsonl")
+    tdir = target.dir()
+    base = serving.launch(tdir, None, log_path=out / "baseline.log", preset=preset.name,
+                          port=serving.baseline_port)
+    try:
+        spec = serving.launch(tdir, export, log_path=out / "eagle3.log", preset=preset.name)
+        try:
+            args = bench_args(preset.area("bench"), spec.url, base.url, out / "prompts.jsonl",
+                              out / "report")
+            summary = _run_cli(context, args)
+        finally:
+            spec.stop()
+    finally:
+        base.stop()
+    report_md = (out / "report" / "report.md")
+    md = report_md.read_text() if report_md.exists() else "(no report.md)"
+    uri = storage.publish_from(out, Keys.BENCH)
+    return MaterializeResult(metadata={
+        "report": MetadataValue.md(md), "report_uri": MetadataValue.path(uri),
+        "heldout_prompts": MetadataValue.json(counts), **target.lineage(), **summary_metadata(summary)})
+
+
+def _run_cli(context, args: list[str]) -> dict:
+    """`eagle3 <args>` in its own process (output streamed to the run log); returns its JSON summary."""
+    context.log.info("eagle3 " + " ".join(args))
+    proc = subprocess.Popen([sys.executable, "-m", "eagle3_platform.cli", *args], cwd=PROJECT_ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    last = ""
+    for line in proc.stdout:
+        print(line, end="", flush=True)
+        last = line if line.strip() else last
+    if proc.wait() != 0:
+        raise RuntimeError(f"eagle3 {args[0]} failed (exit {proc.returncode}): {last.strip()}")
+    return json.loads(last)

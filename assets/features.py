@@ -1,0 +1,62 @@
+"""`feature_shards`: offline hidden states of the target (capture layers + final post-norm state) as
+safetensors shards + a parquet manifest per workload and split."""
+
+from dagster import (AssetCheckResult, AssetCheckSpec, AssetExecutionContext, MaterializeResult,
+                     MetadataValue, asset)
+
+from assets.metadata import summary_metadata
+from assets.partitions import SPLITS, Keys, workload_partitions
+from assets.responses import target_responses
+from resources import ComputeResource, PresetResource, StorageResource, TargetResource
+from resources.preset import with_overrides
+
+
+def features_config(preset: PresetResource, target: TargetResource):
+    return with_overrides(preset.area("features"), max_length=target.max_length, dtype=None)
+
+
+def _extract_split(context, w: str, split: str, storage, target, preset, compute) -> dict:
+    from eagle3_platform.features.extract import extract_file
+    from eagle3_platform.records import sha256_file
+
+    conv = storage.fetch(Keys.conversations(w, split))
+    tdir = target.dir()
+    out = storage.staging(Keys.features(w, split), sha256_file(conv))  # resumable per input
+    cfg = features_config(preset, target)
+    summary = compute.run(context, lambda: extract_file(tdir, conv, out, cfg),
+                          ["extract", "--target", str(tdir), "--in", str(conv), "--out", str(out)])
+    summary["uri"] = storage.publish_from(out, Keys.features(w, split))
+    return summary
+
+
+def verify_stored(storage: StorageResource, target: TargetResource, w: str) -> AssetCheckResult:
+    """Re-read what was stored: every shard's sha256 vs the manifest, headers vs this target."""
+    from eagle3_platform.features.shards import verify_shards
+
+    meta = target.meta()
+    expect = {"target_id": meta["target_id"], "weights_hash": meta["weights_hash"],
+              "capture_layer_ids": meta["capture_layer_ids"]}
+    reports = {s: verify_shards(storage.fetch_dir(Keys.features(w, s)), expect=expect) for s in SPLITS}
+    bad = [f"{s}/{b['shard']}: {b['reason']}" for s, r in reports.items() for b in r["bad"]]
+    bad += [f"{s}/{u}: not in manifest" for s, r in reports.items() for u in r["unlisted"]]
+    return AssetCheckResult(check_name="shards_verify", passed=not bad, metadata={
+        "shards_ok": sum(len(r["ok"]) for r in reports.values()), "problems": len(bad),
+        "first_problems": MetadataValue.md("\n".join(f"- {b}" for b in bad[:20]) or "none")})
+
+
+@asset(partitions_def=workload_partitions, deps=[target_responses], group_name="features",
+       kinds={"pytorch", "safetensors"}, code_version="1",
+       check_specs=[AssetCheckSpec("shards_verify", asset="feature_shards", blocking=True,
+                                   description="stored shards match the manifest sha256 + this target")])
+def feature_shards(context: AssetExecutionContext, storage: StorageResource, target: TargetResource,
+                   preset: PresetResource, compute: ComputeResource) -> MaterializeResult:
+    """Feature shards + manifest for both splits (the eval split scores the head on held-out data)."""
+    w = context.partition_key
+    res = {s: _extract_split(context, w, s, storage, target, preset, compute) for s in SPLITS}
+    meta = {"workload": w, "preset": preset.name, **target.lineage(),
+            "features_uri": MetadataValue.path(res["train"]["uri"]),
+            "eval_features_uri": MetadataValue.path(res["eval"]["uri"])}
+    for s in SPLITS:
+        meta.update(summary_metadata({k: v for k, v in res[s].items() if k != "uri"},
+                                     prefix="" if s == "train" else "eval_"))
+    return MaterializeResult(metadata=meta, check_results=[verify_stored(storage, target, w)])

@@ -1,0 +1,21 @@
+"""`workload_sources`: the observable source. Its data version per workload partition is the content
+hash of the package files backing that workload, so observing it is how source changes are detected."""
+
+from dagster import DataVersion, DataVersionsByPartition, observable_source_asset
+
+from assets.partitions import workload_partitions
+
+
+def fingerprints(workloads=None) -> dict[str, str]:
+    from eagle3_platform.data.sources import source_fingerprint
+
+    return {w: source_fingerprint(w) for w in (workloads or workload_partitions.get_partition_keys())}
+
+
+@observable_source_asset(partitions_def=workload_partitions, group_name="sources",
+                         tags={"dagster/kind/python": ""},
+                         description="Workload prompt sources (PyPI data packages + EAGLE3_EXTRA_SOURCES).")
+def workload_sources(context) -> DataVersionsByPartition:
+    fps = fingerprints()
+    context.log.info("source fingerprints: " + ", ".join(f"{w}={v[:12]}" for w, v in fps.items()))
+    return DataVersionsByPartition({w: DataVersion(v) for w, v in fps.items()})

@@ -1,0 +1,47 @@
+"""Dagster resources, and the ONE place that selects the environment.
+
+EAGLE3_ENV=local (default): artifacts under the project data dir (EAGLE3_DATA_DIR overrides).
+EAGLE3_ENV=gcp: artifacts in GCS (EAGLE3_GCS_BUCKET, EAGLE3_GCS_PREFIX, EAGLE3_GCP_PROJECT); set
+STORAGE_EMULATOR_HOST to use a local emulator.
+Other knobs: EAGLE3_PRESET (tiny|demo|full), EAGLE3_TARGET (model id or path), EAGLE3_COMPUTE
+(in_process|pipes), EAGLE3_SERVING (auto|embedded|sglang).
+"""
+from __future__ import annotations
+
+import os
+
+from resources.compute import ComputeResource
+from resources.preset import PresetResource
+from resources.serving import ServingResource
+from resources.storage import GCSStorageResource, LocalStorageResource, StorageResource
+from resources.target import TargetResource
+
+ENVS = ("local", "gcp")
+
+__all__ = ["ComputeResource", "GCSStorageResource", "LocalStorageResource", "PresetResource",
+           "ServingResource", "StorageResource", "TargetResource", "build_resources", "ENVS"]
+
+
+def storage_for_env(env: str) -> StorageResource:
+    if env == "local":
+        return LocalStorageResource()
+    if env == "gcp":
+        bucket = os.environ.get("EAGLE3_GCS_BUCKET")
+        if not bucket:
+            raise ValueError("EAGLE3_ENV=gcp needs EAGLE3_GCS_BUCKET")
+        return GCSStorageResource(bucket=bucket, prefix=os.environ.get("EAGLE3_GCS_PREFIX", "eagle3"),
+                                  project=os.environ.get("EAGLE3_GCP_PROJECT"))
+    raise ValueError(f"EAGLE3_ENV must be one of {ENVS}, got {env!r}")
+
+
+def build_resources(env: str | None = None, preset: str | None = None, target: str | None = None,
+                    storage: StorageResource | None = None) -> dict:
+    """All resources for one environment; arguments override the environment variables."""
+    env = env or os.environ.get("EAGLE3_ENV", "local")
+    return {
+        "storage": storage or storage_for_env(env),
+        "target": TargetResource(model=target or os.environ.get("EAGLE3_TARGET", "smollm2-135m-instruct")),
+        "preset": PresetResource(name=preset or os.environ.get("EAGLE3_PRESET", "demo")),
+        "compute": ComputeResource(mode=os.environ.get("EAGLE3_COMPUTE", "in_process")),
+        "serving": ServingResource(mode=os.environ.get("EAGLE3_SERVING", "auto")),
+    }

@@ -1,0 +1,60 @@
+"""The `serving` resource: how the draft head is deployed.
+
+mode "embedded" runs the library's CPU OpenAI-compatible server (`eagle3 serve`); "sglang" launches
+SGLang with EAGLE-3 speculative settings (GPU); "auto" picks SGLang when a GPU and sglang are present.
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import Literal
+
+from dagster import ConfigurableResource
+
+
+class ServingResource(ConfigurableResource):
+    mode: Literal["auto", "embedded", "sglang"] = "auto"
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: a free port chosen at deploy time
+    baseline_port: int = 0
+    api_key: str | None = None
+    # SGLang speculative settings: set all three or none (DESIGN §6); None = the spec preset's values.
+    num_steps: int | None = None
+    eagle_topk: int | None = None
+    num_draft_tokens: int | None = None
+    keep_running: bool = False  # leave the endpoint up after `deployment` materializes
+    startup_timeout_s: float = 300.0
+
+    def resolved_mode(self) -> str:
+        if self.mode != "auto":
+            return self.mode
+        try:
+            import torch
+
+            gpu = torch.cuda.is_available()
+        except ImportError:
+            gpu = False
+        return "sglang" if gpu and importlib.util.find_spec("sglang") else "embedded"
+
+    def spec_name(self, preset: str) -> str:
+        """Embedded engine's speculative preset: the tiny preset uses the tiny tree."""
+        return "tiny" if preset == "tiny" else "chain"
+
+    def launch(self, target_dir, draft_dir=None, log_path=None, preset: str = "demo", port=None):
+        """Start an endpoint (draft_dir None = the baseline); returns a handle with .url and .stop()."""
+        mode = self.resolved_mode()
+        if mode == "embedded":
+            from eagle3_platform.serve.launch import start_embedded_server
+
+            return start_embedded_server(target_dir, draft_dir, host=self.host,
+                                         port=self.port if port is None else port,
+                                         api_key=self.api_key, spec=self.spec_name(preset),
+                                         log_path=log_path, timeout=self.startup_timeout_s,
+                                         extra_args=["--preset", preset])
+        from eagle3_platform.serve import sglang  # GPU path (H7's launcher)
+
+        return sglang.start_sglang_server(target_dir, draft_dir, host=self.host,
+                                          port=self.port if port is None else port,
+                                          api_key=self.api_key, num_steps=self.num_steps,
+                                          eagle_topk=self.eagle_topk,
+                                          num_draft_tokens=self.num_draft_tokens,
+                                          log_path=log_path, timeout=self.startup_timeout_s)
