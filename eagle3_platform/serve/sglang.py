@@ -1,0 +1,191 @@
+"""SGLang launcher: command builder, start/stop, /health, /server_info (DESIGN.md §6).
+
+Flag names follow sgl-project/sglang `python/sglang/srt/server_args.py` (`model_path`,
+`speculative_algorithm`, `speculative_draft_model_path`, `speculative_num_steps`,
+`speculative_eagle_topk`, `speculative_num_draft_tokens`, `mem_fraction_static`, `host`, `port`;
+dataclass field → `--field-name`). The acceptance length is on `/server_info` (older releases:
+`/get_server_info`) as `internal_states[i].avg_spec_accept_length` (per DP rank) or, in older
+releases, top-level `avg_spec_accept_length`: a cumulative average since launch.
+SGLang's overlap scheduler for speculative decoding ("spec v2", env SGLANG_ENABLE_SPEC_V2) requires
+`--speculative-eagle-topk 1` (chain drafting).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from eagle3_platform.serve.launch import log_tail, stop_process, wait_healthy
+
+LAUNCH_MODULE = "sglang.launch_server"
+ALGORITHM = "EAGLE3"
+SPEC_V2_ENV = "SGLANG_ENABLE_SPEC_V2"
+HEALTH_TIMEOUT_S = 900.0   # first launch compiles kernels / captures CUDA graphs
+# Flags this builder owns; passing them again through extra_args would be ambiguous.
+OWNED_FLAGS = {"--model-path", "--model", "--speculative-algorithm", "--speculative-algo",
+               "--speculative-draft-model-path", "--speculative-draft", "--speculative-num-steps",
+               "--speculative-eagle-topk", "--speculative-num-draft-tokens", "--host", "--port",
+               "--mem-fraction-static"}
+
+
+@dataclass(frozen=True)
+class SGLangConfig:
+    model_path: str
+    draft_path: str | None = None          # None = plain target serving (the baseline)
+    num_steps: int | None = None           # the three speculative ints: all or none
+    eagle_topk: int | None = None
+    num_draft_tokens: int | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    mem_fraction_static: float | None = None
+    spec_v2: bool = False                  # overlap scheduler for spec decoding (needs topk 1)
+    extra_args: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        ints = (self.num_steps, self.eagle_topk, self.num_draft_tokens)
+        given = [v is not None for v in ints]
+        if any(given) and not all(given):
+            raise ValueError("set all three of num_steps, eagle_topk, num_draft_tokens or none "
+                             f"(got steps={self.num_steps}, topk={self.eagle_topk}, "
+                             f"draft_tokens={self.num_draft_tokens})")
+        if all(given):
+            self._check_tree()
+        if self.spec_v2 and self.eagle_topk != 1:
+            raise ValueError("SGLang's overlap scheduler for speculative decoding (spec v2) needs "
+                             "eagle_topk=1 (chain drafting)")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, not {self.port}")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ValueError("mem_fraction_static must be in (0, 1)")
+        clash = OWNED_FLAGS & {a.split("=")[0] for a in self.extra_args}
+        if clash:
+            raise ValueError(f"extra_args repeat flags set by SGLangConfig: {sorted(clash)}")
+
+    def _check_tree(self) -> None:
+        if self.draft_path is None:
+            raise ValueError("speculative settings need a draft model path")
+        s, k, n = self.num_steps, self.eagle_topk, self.num_draft_tokens
+        if s < 1 or k < 1 or n < 2:
+            raise ValueError(f"need num_steps>=1, eagle_topk>=1, num_draft_tokens>=2 (got {s},{k},{n})")
+        if k == 1 and n != s + 1:
+            raise ValueError(f"a chain (topk 1) of {s} steps verifies {s + 1} draft tokens, not {n}")
+        if n > 1 + k * s:
+            raise ValueError(f"num_draft_tokens {n} exceeds the tree size 1 + topk*steps = {1 + k * s}")
+
+    @classmethod
+    def from_spec(cls, model_path: str, draft_path: str | None, spec, **kw) -> "SGLangConfig":
+        """From the engine's SpecConfig, so the embedded and the SGLang deployment match."""
+        if draft_path is None or not spec.speculative:
+            return cls(model_path=model_path, draft_path=draft_path, **kw)
+        return cls(model_path=model_path, draft_path=draft_path, num_steps=spec.num_steps,
+                   eagle_topk=spec.eagle_topk, num_draft_tokens=spec.num_draft_tokens, **kw)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def build_command(self, python: str | None = None) -> list[str]:
+        cmd = [python or sys.executable, "-m", LAUNCH_MODULE, "--model-path", str(self.model_path)]
+        if self.draft_path is not None:
+            cmd += ["--speculative-algorithm", ALGORITHM,
+                    "--speculative-draft-model-path", str(self.draft_path)]
+        if self.num_steps is not None:
+            cmd += ["--speculative-num-steps", str(self.num_steps),
+                    "--speculative-eagle-topk", str(self.eagle_topk),
+                    "--speculative-num-draft-tokens", str(self.num_draft_tokens)]
+        cmd += ["--host", self.host, "--port", str(self.port)]
+        if self.mem_fraction_static is not None:
+            cmd += ["--mem-fraction-static", str(self.mem_fraction_static)]
+        return cmd + list(self.extra_args)
+
+    def env(self) -> dict:
+        return {SPEC_V2_ENV: "True"} if self.spec_v2 else {}
+
+
+def sglang_available() -> bool:
+    """SGLang serves on GPUs: CUDA visible to torch and the package importable."""
+    if importlib.util.find_spec("sglang") is None:
+        return False
+    try:
+        import torch
+        return bool(torch.cuda.is_available())
+    except ImportError:
+        return False
+
+
+def spec_accept_length(info: dict) -> float | None:
+    """`avg_spec_accept_length` from a /server_info body (top-level or mean over DP ranks)."""
+    if info.get("avg_spec_accept_length") is not None:
+        return float(info["avg_spec_accept_length"])
+    vals = [s["avg_spec_accept_length"] for s in info.get("internal_states") or []
+            if isinstance(s, dict) and s.get("avg_spec_accept_length") is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+@dataclass
+class SGLangServer:
+    cfg: SGLangConfig
+    log_path: Path | None = None
+    python: str | None = None
+    api_key: str | None = None
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return self.cfg.url
+
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def start(self, timeout: float = HEALTH_TIMEOUT_S) -> "SGLangServer":
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError(f"SGLang already running (pid {self.proc.pid})")
+        if self.log_path is None:
+            self.log_path = Path(tempfile.mkdtemp(prefix="sglang-")) / "server.log"
+        self.log_path = Path(self.log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        cmd = self.cfg.build_command(self.python)
+        if self.api_key:
+            cmd += ["--api-key", self.api_key]
+        with open(self.log_path, "ab") as logf:
+            self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT,
+                                         env={**os.environ, **self.cfg.env()},
+                                         start_new_session=True)
+        try:
+            self.wait_healthy(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_healthy(self, timeout: float = HEALTH_TIMEOUT_S) -> None:
+        wait_healthy(self.url, self.proc, timeout, self.log_path, "SGLang")
+
+    def server_info(self) -> dict:
+        for path in ("/server_info", "/get_server_info"):
+            r = httpx.get(self.url + path, headers=self.headers(), timeout=10)
+            if r.status_code != 404:
+                r.raise_for_status()
+                return r.json()
+        raise RuntimeError(f"{self.url} has neither /server_info nor /get_server_info")
+
+    def accept_length(self) -> float | None:
+        return spec_accept_length(self.server_info())
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        if self.proc is None:
+            return None
+        return stop_process(self.proc, timeout)
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def log(self) -> str:
+        return log_tail(self.log_path) if self.log_path else ""
