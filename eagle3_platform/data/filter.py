@@ -1,0 +1,250 @@
+"""filtered_prompts: validate, dedupe, decontaminate and PII/DLP-filter prompt records (DESIGN §1, §4).
+
+Every line read ends up in exactly one of two files: kept prompt records, or rejection records with a
+reason. `kept + rejected == read` is asserted here and returned in the summary. Rejections carry id,
+workload, source, stage and reason only: never text, never the detected value.
+
+Checks, in order (the first that fails is the reason):
+  bad:json            line is not a JSON object (id = stable_id(file name, line number))
+  bad:non_text        a message's content is not a string (images, tool-call dicts, null)
+  bad:schema          anything else that is not a PromptRecord (missing field, unknown role, extra keys)
+  bad:empty           no system/user messages, or one whose content is blank
+  bad:role_order      not [system?] user+ once assistant turns are stripped (system only first, >=1 user)
+  bad:too_long        rendered prompt (target chat template + generation prompt) > max_tokens
+  eval_contamination  any user turn's decontam_key is in eval_keys
+  dup                 same normalised messages as an earlier record (first occurrence kept)
+  dlp:ENTITY          a secret (always dropped, under either policy: see dlp.py)
+  pii:ENTITY          PII under policy "drop" (the most severe entity found, pii.SEVERITY)
+
+Assistant turns in the input are answers written by someone else (often another vendor's model): the
+design takes only user prompts from sources and regenerates answers with the target. So they are
+STRIPPED, not rejected: the user turns stay useful. The count is `assistant_turns_stripped`.
+
+Policy "redact": PII spans become `<ENTITY_TYPE>` and the record is kept; `redactions` counts spans per
+entity type. Dedupe runs on the original text, before redaction.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from pydantic import ValidationError
+
+from eagle3_platform.data.pii import Finding, PiiScanner, get_scanner, severity
+from eagle3_platform.records import Message, PromptRecord, Rejection, stable_id, write_jsonl_atomic
+
+POLICIES = ("drop", "redact")
+STAGE = "filter"
+UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class FilterConfig:
+    scan_batch: int = 64  # records whose turns go through the scanner together (spaCy nlp.pipe)
+    progress_every: int = 2000  # records between progress lines on stderr
+
+
+PRESETS: dict[str, FilterConfig] = {
+    "tiny": FilterConfig(scan_batch=8, progress_every=10**9),
+    "demo": FilterConfig(),
+    "full": FilterConfig(scan_batch=256, progress_every=20_000),
+}
+
+
+class _Reject(Exception):
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+def _meta(row: Any, key: str) -> str:
+    value = row.get(key) if isinstance(row, dict) else None
+    return value if isinstance(value, str) and value else UNKNOWN
+
+
+def parse(raw: str | bytes | dict, origin: str, line_no: int) -> tuple[dict | None, Rejection | None]:
+    """One input line -> dict, or a bad:json rejection whose id is stable in (file, line)."""
+    if isinstance(raw, dict):
+        return raw, None
+    try:
+        row = json.loads(raw)
+        if isinstance(row, dict):
+            return row, None
+    except (json.JSONDecodeError, UnicodeDecodeError, TypeError):
+        pass
+    return None, Rejection(id=stable_id(origin, str(line_no)), workload=UNKNOWN, source=origin,
+                           stage=STAGE, reason="bad:json")
+
+
+def validate(row: dict, max_tokens: int | None, tokenizer) -> tuple[PromptRecord, int]:
+    """Schema + role checks. Returns (record with assistant turns stripped, number stripped)."""
+    msgs = row.get("messages")
+    if isinstance(msgs, list) and any(isinstance(m, dict) and "content" in m and not isinstance(m["content"], str)
+                                      for m in msgs):
+        raise _Reject("bad:non_text")
+    try:
+        rec = PromptRecord.model_validate(row)
+    except ValidationError:
+        raise _Reject("bad:schema") from None
+    kept = [m for m in rec.messages if m.role != "assistant"]
+    stripped = len(rec.messages) - len(kept)
+    if not kept or any(not m.content.strip() for m in kept):
+        raise _Reject("bad:empty")
+    roles = [m.role for m in kept]
+    if "user" not in roles or "system" in roles[1:]:
+        raise _Reject("bad:role_order")
+    rec = rec.model_copy(update={"messages": kept, "n_chars": sum(len(m.content) for m in kept)})
+    if max_tokens is not None and tokenizer is not None and _prompt_tokens(tokenizer, kept) > max_tokens:
+        raise _Reject("bad:too_long")
+    return rec, stripped
+
+
+def _prompt_tokens(tokenizer, messages: list[Message]) -> int:
+    from eagle3_platform.data.chat import render_prompt  # the one template path (H3); lazy: needs transformers
+
+    return len(render_prompt(tokenizer, [m.model_dump() for m in messages]))
+
+
+def content_key(messages: list[Message]) -> str:
+    """Dedupe key: roles + case/whitespace-normalised text."""
+    norm = [[m.role, " ".join(m.content.lower().split())] for m in messages]
+    return hashlib.sha256(json.dumps(norm, ensure_ascii=False).encode()).hexdigest()
+
+
+def _contaminated(rec: PromptRecord, eval_keys: set[str] | None) -> bool:
+    if not eval_keys:
+        return False
+    from eagle3_platform.data.sources import decontam_key  # H1 owns the one normalisation
+
+    return any(decontam_key(m.content) in eval_keys for m in rec.messages if m.role == "user")
+
+
+def worst(findings: list[Finding]) -> Finding:
+    return min(findings, key=lambda f: (severity(f.entity_type), -f.score))
+
+
+def _apply_pii(rec: PromptRecord, per_msg: list[list[Finding]], policy: str, scanner: PiiScanner,
+               redactions: Counter) -> PromptRecord:
+    found = [f for fs in per_msg for f in fs]
+    secrets = [f for f in found if f.is_secret]
+    if secrets:
+        raise _Reject(f"dlp:{worst(secrets).entity_type}")
+    if not found:
+        return rec
+    if policy == "drop":
+        raise _Reject(f"pii:{worst(found).entity_type}")
+    msgs = [Message(role=m.role, content=scanner.redact(m.content, fs) if fs else m.content)
+            for m, fs in zip(rec.messages, per_msg)]
+    redactions.update(f.entity_type for f in found)
+    return rec.model_copy(update={"messages": msgs, "n_chars": sum(len(m.content) for m in msgs)})
+
+
+class _Run:
+    """State of one filtering pass: dedupe set, counters, outputs."""
+
+    def __init__(self, policy, max_tokens, tokenizer, eval_keys, scanner, cfg, origin):
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        self.policy, self.max_tokens, self.tokenizer = policy, max_tokens, tokenizer
+        self.eval_keys, self.scanner, self.cfg, self.origin = eval_keys, scanner, cfg, origin
+        self.kept: list[PromptRecord] = []
+        self.rejected: list[Rejection] = []
+        self.seen: set[str] = set()
+        self.read = 0
+        self.stripped = 0
+        self.redactions: Counter = Counter()
+        self.pending: list[PromptRecord] = []  # valid, unique records waiting for the batched scan
+        self.t0 = time.perf_counter()
+
+    def reject(self, row_or_rec, reason: str) -> None:
+        get = row_or_rec.model_dump() if isinstance(row_or_rec, PromptRecord) else row_or_rec
+        rid = get.get("id") if isinstance(get.get("id"), str) and get.get("id") else UNKNOWN
+        self.rejected.append(Rejection(id=rid, workload=_meta(get, "workload"), source=_meta(get, "source"),
+                                       stage=STAGE, reason=reason))
+
+    def feed(self, raw, line_no: int) -> None:
+        self.read += 1
+        row, bad = parse(raw, self.origin, line_no)
+        if bad is not None:
+            self.rejected.append(bad)
+            return
+        try:
+            rec, stripped = validate(row, self.max_tokens, self.tokenizer)
+            self.stripped += stripped
+            if _contaminated(rec, self.eval_keys):
+                raise _Reject("eval_contamination")
+            key = content_key(rec.messages)
+            if key in self.seen:
+                raise _Reject("dup")
+            self.seen.add(key)
+        except _Reject as r:
+            self.reject(row, r.reason)
+            return
+        self.pending.append(rec)
+        if len(self.pending) >= self.cfg.scan_batch:
+            self.flush()
+        if self.read % self.cfg.progress_every == 0:
+            self.progress()
+
+    def flush(self) -> None:
+        texts = [m.content for rec in self.pending for m in rec.messages]
+        found = iter(self.scanner.scan_many(texts))
+        for rec in self.pending:
+            per_msg = [next(found) for _ in rec.messages]
+            try:
+                self.kept.append(_apply_pii(rec, per_msg, self.policy, self.scanner, self.redactions))
+            except _Reject as r:
+                self.reject(rec, r.reason)
+        self.pending = []
+
+    def progress(self) -> None:
+        dt = time.perf_counter() - self.t0
+        print(f"[filter] {self.origin}: read {self.read} kept {len(self.kept)} rejected {len(self.rejected)} "
+              f"({self.read / max(dt, 1e-9):.0f} rec/s)", file=sys.stderr, flush=True)
+
+    def summary(self) -> dict:
+        self.flush()
+        n_kept, n_rej = len(self.kept), len(self.rejected)
+        assert n_kept + n_rej == self.read, f"accounting: kept {n_kept} + rejected {n_rej} != read {self.read}"
+        dt = time.perf_counter() - self.t0
+        return {"read": self.read, "kept": n_kept, "rejected": n_rej,
+                "by_reason": dict(sorted(Counter(r.reason for r in self.rejected).items())),
+                "assistant_turns_stripped": self.stripped, "redactions": dict(sorted(self.redactions.items())),
+                "policy": self.policy, "max_tokens": self.max_tokens, "eval_keys": len(self.eval_keys or ()),
+                **self.scanner.info(), "seconds": round(dt, 3), "records_per_s": round(self.read / max(dt, 1e-9), 1)}
+
+
+def filter_records(rows: Iterable[str | bytes | dict], policy: str = "drop", max_tokens: int | None = None,
+                   tokenizer=None, eval_keys: set[str] | None = None, scanner: PiiScanner | None = None,
+                   cfg: FilterConfig = PRESETS["demo"], origin: str = "<memory>",
+                   ) -> tuple[list[PromptRecord], list[Rejection], dict]:
+    """In-memory filter: rows are JSONL lines (str/bytes) or already-parsed dicts, in input order.
+    Returns (kept, rejected, summary); kept preserves input order."""
+    run = _Run(policy, max_tokens, tokenizer, eval_keys, scanner or get_scanner(), cfg, origin)
+    for line_no, raw in enumerate(rows, start=1):
+        if isinstance(raw, (str, bytes)) and not raw.strip():
+            continue  # a blank line is not a record
+        run.feed(raw, line_no)
+    summary = run.summary()
+    return run.kept, run.rejected, summary
+
+
+def filter_file(in_path: str | Path, kept_path: str | Path, rejected_path: str | Path, policy: str = "drop",
+                max_tokens: int | None = None, tokenizer=None, eval_keys: set[str] | None = None,
+                scanner: PiiScanner | None = None, cfg: FilterConfig = PRESETS["demo"]) -> dict:
+    """JSONL prompt records -> kept JSONL + rejections JSONL (both written atomically). Returns summary."""
+    in_path = Path(in_path)
+    if not in_path.is_file():
+        raise FileNotFoundError(f"filter input not found: {in_path}")
+    with open(in_path, "rb") as f:
+        lines = f.read().split(b"\n")
+    kept, rejected, summary = filter_records(lines, policy, max_tokens, tokenizer, eval_keys, scanner, cfg,
+                                             origin=in_path.name)
+    write_jsonl_atomic(kept_path, kept)
+    write_jsonl_atomic(rejected_path, rejected)
+    return {**summary, "in": str(in_path), "out": str(kept_path), "rejected_path": str(rejected_path)}

