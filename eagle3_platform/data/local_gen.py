@@ -1,0 +1,99 @@
+"""Batched decoding on the local target: left padding, one KV cache, finished rows dropped.
+
+Why a loop of our own rather than `model.generate` on a batch: sampling needs one RNG per record (so a
+record's response does not depend on which other records share its batch, and a resumed run redraws
+the same tokens), and rows that hit their end-of-turn leave the batch instead of decoding padding.
+
+Invariant: with left padding, `position_ids = cumsum(mask) - 1`, so every row sees positions 0..n-1
+exactly as if it ran alone; the 2D padding mask hides the pads from attention.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sampling:
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+@dataclass
+class Generated:
+    tokens: list[int]  # generated ids, the stop token included when one was produced
+    finish_reason: str  # "stop" (end-of-turn/EOS) | "length" (hit its budget)
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """prompts -> ids [B,T], mask [B,T] (1 = real token), right-aligned."""
+    T = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), T), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, T - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, T - len(p):] = 1
+    return ids, mask
+
+
+def pick(logits: torch.Tensor, s: Sampling, gens: list[torch.Generator] | None) -> torch.Tensor:
+    """logits [B,V] -> next ids [B]. Greedy argmax, or temperature + top-p with one RNG per row."""
+    if not s.do_sample:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / s.temperature, dim=-1)  # [B,V]
+    if s.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always survives)
+        drop = sorted_p.cumsum(-1) - sorted_p >= s.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    return torch.stack([torch.multinomial(probs[i], 1, generator=g)[0] for i, g in enumerate(gens)])
+
+
+@torch.no_grad()
+def generate_batch(model, prompts: list[list[int]], max_new: list[int], stop_ids: set[int],
+                   pad_id: int, sampling: Sampling = Sampling(), seeds: list[int] | None = None
+                   ) -> list[Generated]:
+    """Decode every prompt until a stop id or its own budget `max_new[i]`."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    ids, mask = left_pad(prompts, pad_id)
+    ids, mask = ids.to(device), mask.to(device)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [B,T]
+    gens = None
+    if sampling.do_sample:
+        gens = [torch.Generator().manual_seed(s) for s in (seeds or [0] * len(prompts))]
+    cache = DynamicCache()
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                   use_cache=True).logits[:, -1]  # [B,V]
+    next_pos = pos[:, -1] + 1  # [B]
+    out = [Generated([], "") for _ in prompts]
+    rows = list(range(len(prompts)))  # batch row -> prompt index, shrinks as rows finish
+    while rows:
+        tok = pick(logits, sampling, [gens[r] for r in rows] if gens else None).tolist()  # [B']
+        keep = []
+        for b, r in enumerate(rows):
+            out[r].tokens.append(tok[b])
+            if tok[b] in stop_ids:
+                out[r].finish_reason = "stop"
+            elif len(out[r].tokens) >= max_new[r]:
+                out[r].finish_reason = "length"
+            else:
+                keep.append(b)
+        if not keep:
+            break
+        if len(keep) < len(rows):  # drop finished rows from the batch and the cache
+            idx = torch.tensor(keep, device=device)
+            cache.batch_select_indices(idx)
+            mask, next_pos = mask[idx], next_pos[idx]
+            tok = [tok[b] for b in keep]
+            rows = [rows[b] for b in keep]
+        mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)  # [B', P+1]
+        step = torch.tensor(tok, device=device)[:, None]  # [B',1]
+        logits = model(input_ids=step, attention_mask=mask, position_ids=next_pos[:, None],
+                       past_key_values=cache, use_cache=True).logits[:, -1]
+        next_pos = next_pos + 1
+    return out

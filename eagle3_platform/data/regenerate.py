@@ -1,0 +1,372 @@
+"""target_responses: the target answers the kept prompts itself (DESIGN.md §1, §4).
+
+Each conversation is re-asked turn by turn: user turn k is answered given the target's own answers to
+turns < k. Two back ends share everything else (budgets, records, masks, scanning, resume):
+- local: batched decoding on the prepared target (left padding, batches grouped by prompt length,
+  the batch advances one turn at a time);
+- endpoint: any OpenAI-compatible `/v1/chat/completions` with bounded concurrency and retries.
+Either way `input_ids`/`loss_mask` come from `chat.render` with the target's own tokenizer + template.
+
+Accounting: every input record ends as exactly one ConversationRecord (out) or Rejection (rejected);
+`read == written + rejected`. Resume: both files are fsynced JSONL appends; a rerun skips ids already in
+either. Local batches are planned over ALL records (done or not) and a partially written batch is
+recomputed whole, so a resumed greedy run produces the very same tokens as an uninterrupted one
+(sampling draws from one RNG per record and turn, seeded from the record id).
+"""
+from __future__ import annotations
+
+import hashlib
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from eagle3_platform.data.chat import BoundaryError, encode, end_of_turn, render, render_prompt, template_hash
+from eagle3_platform.records import ConversationRecord, JsonlAppender, PromptRecord, Rejection, read_jsonl
+
+STAGE = "target_responses"
+
+
+@dataclass(frozen=True)
+class RegenConfig:
+    max_new_tokens: int  # per assistant turn
+    batch_size: int  # local: conversations decoded together
+    do_sample: bool
+    temperature: float
+    top_p: float
+    seed: int  # sampling: per-record RNG = hash(seed, record id, turn)
+    max_length: int  # prompt + response token budget of a whole rendered conversation
+    concurrency: int  # endpoint: conversations in flight
+    dtype: str = "float32"  # local target weights
+    request_timeout_s: float = 600.0
+    max_retries: int = 5
+    backoff_s: float = 0.5
+    progress_every_s: float = 10.0
+
+
+PRESETS: dict[str, RegenConfig] = {
+    "tiny": RegenConfig(max_new_tokens=16, batch_size=4, do_sample=False, temperature=0.0, top_p=1.0,
+                        seed=0, max_length=512, concurrency=2, progress_every_s=2.0),
+    # The whole demo graph must fit in ~20 min on 2 CPU cores: short greedy answers.
+    "demo": RegenConfig(max_new_tokens=80, batch_size=8, do_sample=False, temperature=0.0, top_p=1.0,
+                        seed=0, max_length=1024, concurrency=4),
+    # Production: sampled answers (diversity) at the target's usual settings, usually via SGLang/vLLM.
+    "full": RegenConfig(max_new_tokens=1024, batch_size=32, do_sample=True, temperature=0.7, top_p=0.95,
+                        seed=0, max_length=4096, concurrency=64, dtype="bfloat16"),
+}
+
+
+def resolve_config(cfg: RegenConfig | str, **overrides) -> RegenConfig:
+    base = PRESETS[cfg] if isinstance(cfg, str) else cfg
+    return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+
+
+@dataclass
+class Convo:
+    """One conversation being regenerated: the user segments still to answer and what was said."""
+
+    rec: PromptRecord
+    segments: list[list[dict]]  # messages appended before each assistant turn (ends with a user turn)
+    history: list[dict] = field(default_factory=list)
+    finish: list[str] = field(default_factory=list)
+    new_tokens: list[int] = field(default_factory=list)
+    dropped_turns: int = 0  # user turns left unanswered: the max_length budget ran out
+    reject: str | None = None
+
+
+def segment(rec: PromptRecord) -> list[list[dict]]:
+    """Split the prompt turns into one segment per user turn; source assistant turns are dropped."""
+    segs, cur = [], []
+    for m in rec.messages:
+        if m.role == "assistant":
+            continue
+        cur.append({"role": m.role, "content": m.content})
+        if m.role == "user":
+            segs.append(cur)
+            cur = []
+    return segs
+
+
+def turn_seed(seed: int, rec_id: str, turn: int) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}\x1f{rec_id}\x1f{turn}".encode()).digest()[:8], "little") >> 1
+
+
+class Turns:
+    """Prompt + budget of a conversation's next turn, and recording the answer. Shared by both back ends."""
+
+    def __init__(self, tokenizer, cfg: RegenConfig):
+        self.tok, self.cfg = tokenizer, cfg
+        self.lock = threading.Lock()  # endpoint workers share the tokenizer
+        eot = end_of_turn(tokenizer)
+        # tokens the template writes after an answer (EOT + newline): reserved inside max_length
+        probe = render_prompt(tokenizer, [{"role": "user", "content": "hi"}])
+        self.trailer = len(render(tokenizer, [{"role": "user", "content": "hi"},
+                                              {"role": "assistant", "content": ""}])[0]) - len(probe)
+        self.stop_ids = {tokenizer.convert_tokens_to_ids(eot)} | _eos_ids(tokenizer)
+
+    def next(self, c: Convo, k: int) -> tuple[list[dict], list[int], int] | None:
+        """(messages, prompt ids, max new tokens) for turn k, or None when the budget is spent."""
+        msgs = c.history + c.segments[k]
+        ids = render_prompt(self.tok, msgs)
+        budget = min(self.cfg.max_new_tokens, self.cfg.max_length - len(ids) - self.trailer)
+        if budget >= 1:
+            return msgs, ids, budget
+        if k == 0:
+            c.reject = "bad:too_long"
+        else:
+            c.dropped_turns = len(c.segments) - k
+        return None
+
+    def answer(self, c: Convo, msgs: list[dict], content: str, finish: str, n_tokens: int) -> None:
+        c.history = msgs + [{"role": "assistant", "content": content}]
+        c.finish.append(finish)
+        c.new_tokens.append(n_tokens)
+
+
+def _eos_ids(tokenizer) -> set[int]:
+    eos = tokenizer.eos_token_id
+    return set() if eos is None else set(eos if isinstance(eos, list) else [eos])
+
+
+def scan_reason(scanner, texts: list[str]) -> str | None:
+    """`pii_response:TYPE` / `dlp_response:TYPE` for the first offending response; the text is never logged."""
+    if scanner is None or not texts:
+        return None
+    found = scanner.scan_many(texts) if hasattr(scanner, "scan_many") else [scanner.scan(t) for t in texts]
+    for findings in found:
+        if findings:
+            f = sorted(findings, key=lambda f: (not getattr(f, "is_secret", False), f.entity_type))[0]
+            return f"{'dlp' if getattr(f, 'is_secret', False) else 'pii'}_response:{f.entity_type}"
+    return None
+
+
+def finalize(c: Convo, tok, scanner, meta: dict, gen: dict) -> ConversationRecord | Rejection:
+    """The conversation's one output row: a record with ids + mask, or a rejection with a reason."""
+    answers = [m["content"] for m in c.history if m["role"] == "assistant"]
+    reason = c.reject or scan_reason(scanner, answers)
+    if reason is None:
+        try:
+            ids, mask = render(tok, c.history)
+        except BoundaryError:  # this conversation's text merges across a turn boundary: no exact mask
+            reason = "bad:token_boundary"
+    if reason is not None:
+        return Rejection(id=c.rec.id, workload=c.rec.workload, source=c.rec.source, stage=STAGE, reason=reason)
+    generation = {**gen, "finish_reasons": c.finish, "finish_reason": c.finish[-1],
+                  "new_tokens": c.new_tokens, "dropped_turns": c.dropped_turns}
+    return ConversationRecord(**c.rec.model_dump(exclude={"messages"}), messages=c.history,
+                              input_ids=ids, loss_mask=mask, template_hash=template_hash(tok),
+                              target_id=meta["target_id"], generation=generation)
+
+
+class Progress:
+    """Periodic one-line progress on stderr: conversations done/total and generated tok/s."""
+
+    def __init__(self, total: int, done: int, every_s: float):
+        self.total, self.done, self.every_s = total, done, every_s
+        self.tokens, self.t0, self.last = 0, time.perf_counter(), 0.0
+
+    def add(self, conversations: int, tokens: int) -> None:
+        self.done += conversations
+        self.tokens += tokens
+        now = time.perf_counter()
+        if now - self.last >= self.every_s or self.done == self.total:
+            self.last = now
+            print(f"[regenerate] {self.done}/{self.total} conversations, {self.tokens} new tokens, "
+                  f"{self.tok_per_s():.1f} tok/s", file=sys.stderr, flush=True)
+
+    def tok_per_s(self) -> float:
+        return self.tokens / max(time.perf_counter() - self.t0, 1e-9)
+
+
+def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "demo", endpoint: str | None = None,
+                    rejected_path=None, scanner=None, api_key: str | None = None) -> dict:
+    """Regenerate every kept prompt record in `in_path` into ConversationRecords in `out_path`.
+
+    scanner: None = the default PiiScanner, False = do not scan responses, or any object with
+    `.scan(text)` returning findings with `.entity_type` (and `.is_secret` for secrets).
+    Returns the summary: read, written, rejected, by_reason, resumed, new_tokens, tok_per_s, ...
+    """
+    from eagle3_platform.target import read_meta
+
+    cfg = resolve_config(cfg)
+    out_path = Path(out_path)
+    rejected_path = Path(rejected_path or out_path.with_name(out_path.stem + ".rejected.jsonl"))
+    meta = read_meta(target_dir)  # raises FileNotFoundError for an unprepared target
+    tok = load_tokenizer(target_dir)
+    convos = read_prompts(in_path)
+    if scanner is None:
+        from eagle3_platform.data.pii import get_scanner
+        scanner = get_scanner()
+    gen = {"mode": "endpoint" if endpoint else "local", **_settings(cfg)}
+    if endpoint:
+        gen["endpoint"] = _public_url(endpoint)
+    t0 = time.perf_counter()
+    with JsonlAppender(out_path) as out, JsonlAppender(rejected_path) as rej:
+        done = out.done_ids() | rej.done_ids()
+        foreign = done - {c.rec.id for c in convos}
+        if foreign:
+            raise ValueError(f"{out_path} / {rejected_path} hold {len(foreign)} records that are not in "
+                             f"{in_path}; write to a fresh --out")
+        progress = Progress(len(convos), len(done), cfg.progress_every_s)
+
+        def emit(c: Convo) -> None:
+            row = finalize(c, tok, scanner or None, meta, gen)
+            (out if isinstance(row, ConversationRecord) else rej).append(row)
+            progress.add(1, sum(c.new_tokens))
+
+        turns = Turns(tok, cfg)
+        if endpoint:
+            run_endpoint(endpoint, convos, turns, cfg, done, emit, meta, api_key)
+        else:
+            run_local(target_dir, convos, turns, cfg, done, emit)
+    return summarize(convos, out_path, rejected_path, len(done), progress, time.perf_counter() - t0, meta, tok)
+
+
+def load_tokenizer(target_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(target_dir)
+
+
+def read_prompts(in_path) -> list[Convo]:
+    """Kept prompt records -> conversations. Unusable rows become conversations rejected up front."""
+    convos, seen = [], set()
+    for n, row in enumerate(read_jsonl(in_path), 1):
+        try:
+            rec = PromptRecord.model_validate(row)
+        except ValidationError:
+            rec = PromptRecord(id=str(row.get("id") or f"line-{n}"), workload=str(row.get("workload", "")),
+                               source=str(row.get("source", "")), license="", messages=[])
+            convos.append(Convo(rec, [], reject="bad:schema"))
+            continue
+        if rec.id in seen:  # the filter dedupes ids; a repeat means a broken upstream file
+            raise ValueError(f"{in_path}:{n}: duplicate record id {rec.id}")
+        seen.add(rec.id)
+        segs = segment(rec)
+        convos.append(Convo(rec, segs, reject=None if segs else "bad:role_order"))
+    return convos
+
+
+def run_local(target_dir, convos: list[Convo], turns: Turns, cfg: RegenConfig, done: set[str], emit) -> None:
+    """Batched local decoding. Batches are planned over all records (sorted by first-prompt length) so a
+    resumed run recomputes a partially written batch with exactly the same companions."""
+    from eagle3_platform.target import load_target
+
+    for c in convos:
+        if c.reject is None:
+            turns.next(c, 0)  # marks prompts that cannot fit even one answer as bad:too_long
+    for c in convos:
+        if c.reject is not None and c.rec.id not in done:
+            emit(c)
+    live = [c for c in convos if c.reject is None]
+    if not all(c.rec.id in done for c in live):
+        target = load_target(target_dir, dtype=cfg.dtype)
+        plan = sorted(live, key=lambda c: len(render_prompt(turns.tok, c.segments[0])))  # stable
+        for i in range(0, len(plan), cfg.batch_size):
+            batch = plan[i: i + cfg.batch_size]
+            if all(c.rec.id in done for c in batch):
+                continue
+            decode_turns(target.model, batch, turns, cfg)
+            for c in batch:
+                if c.rec.id not in done:
+                    emit(c)
+
+
+def decode_turns(model, batch: list[Convo], turns: Turns, cfg: RegenConfig) -> None:
+    """Advance the whole batch one user turn at a time; conversations with fewer turns drop out."""
+    from eagle3_platform.data.local_gen import Sampling, generate_batch
+
+    sampling = Sampling(cfg.do_sample, cfg.temperature, cfg.top_p)
+    pad_id = turns.tok.pad_token_id if turns.tok.pad_token_id is not None else min(turns.stop_ids)
+    for k in range(max(len(c.segments) for c in batch)):
+        reqs = [(c, turns.next(c, k)) for c in batch
+                if k < len(c.segments) and c.reject is None and not c.dropped_turns]
+        reqs = [(c, nxt) for c, nxt in reqs if nxt is not None]
+        if not reqs:
+            return
+        outs = generate_batch(model, [ids for _, (_, ids, _) in reqs], [n for _, (_, _, n) in reqs],
+                              turns.stop_ids, pad_id, sampling,
+                              seeds=[turn_seed(cfg.seed, c.rec.id, k) for c, _ in reqs])
+        for (c, (msgs, _, _)), g in zip(reqs, outs):
+            body = g.tokens[:-1] if g.finish_reason == "stop" else g.tokens  # the EOT is the template's
+            text = turns.tok.decode(body, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+            turns.answer(c, msgs, text, g.finish_reason, len(g.tokens))
+
+
+def run_endpoint(endpoint: str, convos: list[Convo], turns: Turns, cfg: RegenConfig, done: set[str], emit,
+                 meta: dict, api_key: str | None) -> None:
+    """At most cfg.concurrency conversations in flight; each one asks its turns in order."""
+    from eagle3_platform.data.endpoint import ChatClient, EndpointRequestError, served_model
+
+    model = served_model(endpoint, meta["target_id"], api_key)
+    client = ChatClient(endpoint, model, api_key, cfg.request_timeout_s, cfg.max_retries, cfg.backoff_s)
+    temperature = cfg.temperature if cfg.do_sample else 0.0
+
+    def converse(c: Convo) -> Convo:
+        for k in range(len(c.segments) if c.reject is None else 0):
+            with turns.lock:  # tokenizer + template rendering stay on one thread at a time
+                nxt = turns.next(c, k)
+            if nxt is None:
+                break
+            msgs, _, budget = nxt
+            try:
+                reply = client.chat(msgs, budget, temperature, cfg.top_p,
+                                    turn_seed(cfg.seed, c.rec.id, k) if cfg.do_sample else None)
+            except EndpointRequestError as e:
+                c.reject = f"endpoint:{e.status}"
+                break
+            n = reply.completion_tokens
+            if n is None:
+                with turns.lock:
+                    n = len(encode(turns.tok, reply.content))
+            turns.answer(c, msgs, reply.content, reply.finish_reason, n)
+        return c
+
+    todo = [c for c in convos if c.rec.id not in done]
+    try:
+        with ThreadPoolExecutor(max_workers=cfg.concurrency) as pool:
+            futures = [pool.submit(converse, c) for c in todo]
+            try:
+                for f in as_completed(futures):
+                    emit(f.result())  # written from this thread only: the appenders are not shared
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
+    finally:
+        client.close()
+
+
+def summarize(convos, out_path: Path, rejected_path: Path, resumed: int, progress: Progress,
+              elapsed: float, meta: dict, tok) -> dict:
+    written = [r["id"] for r in read_jsonl(out_path)]
+    rejections = list(read_jsonl(rejected_path))
+    ids = written + [r["id"] for r in rejections]
+    if len(ids) != len(set(ids)) or len(ids) != len(convos):
+        raise RuntimeError(f"accounting broken: read {len(convos)}, written {len(written)}, "
+                           f"rejected {len(rejections)}, distinct {len(set(ids))}")
+    by_reason: dict[str, int] = {}
+    for r in rejections:
+        by_reason[r["reason"]] = by_reason.get(r["reason"], 0) + 1
+    return {"read": len(convos), "written": len(written), "rejected": len(rejections),
+            "by_reason": dict(sorted(by_reason.items())), "resumed": resumed,
+            "new_tokens": progress.tokens, "tok_per_s": round(progress.tok_per_s(), 2),
+            "elapsed_s": round(elapsed, 2), "out": str(out_path), "rejected_path": str(rejected_path),
+            "target_id": meta["target_id"], "template_hash": template_hash(tok)}
+
+
+def _settings(cfg: RegenConfig) -> dict:
+    keys = ("max_new_tokens", "do_sample", "temperature", "top_p", "seed", "max_length")
+    return {k: v for k, v in asdict(cfg).items() if k in keys}
+
+
+def _public_url(url: str) -> str:
+    """The endpoint URL without any user:password part (records are shared, secrets are not)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    p = urlsplit(url)
+    return urlunsplit(p._replace(netloc=p.hostname + (f":{p.port}" if p.port else ""))) if p.hostname else url
