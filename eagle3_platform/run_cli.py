@@ -1,0 +1,55 @@
+"""`eagle3 run`: the whole graph through Dagster. Runs `python -m pipeline` (which lives beside the
+Dagster definitions) as a child process and streams its output; this library module never imports
+Dagster itself."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser("run", help="run the whole graph (prompts → … → benchmark report) through Dagster")
+    p.add_argument("--preset", default="demo", choices=["tiny", "demo", "full"])
+    p.add_argument("--target", default=None, help="smollm2-135m-instruct | tiny-random | PATH")
+    p.add_argument("--workloads", default=None, help="comma-separated partitions (default: all)")
+    p.add_argument("--through", default=None, help="last asset to materialize (default: benchmark_report)")
+    p.add_argument("--env", default=None, choices=["local", "gcp"])
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--dagster-home", default=None)
+    p.add_argument("--force", action="store_true")
+    p.set_defaults(func=run)
+
+
+def pipeline_command(a) -> list[str]:
+    cmd = [sys.executable, "-m", "pipeline", "--preset", a.preset]
+    for flag in ("target", "workloads", "through", "env", "data_dir", "dagster_home"):
+        if getattr(a, flag, None):
+            cmd += [f"--{flag.replace('_', '-')}", str(getattr(a, flag))]
+    return cmd + (["--force"] if a.force else [])
+
+
+def run(a) -> dict:
+    if not (PROJECT_ROOT / "pipeline.py").exists():
+        raise FileNotFoundError(f"pipeline.py not found beside the package at {PROJECT_ROOT}; "
+                                "`eagle3 run` needs the project checkout (definitions + assets)")
+    proc = subprocess.Popen(pipeline_command(a), cwd=PROJECT_ROOT, stdout=subprocess.PIPE, text=True,
+                            bufsize=1)
+    last = ""
+    for line in proc.stdout:  # progress goes to stderr (inherited); stdout lines are forwarded
+        if line.strip():
+            last = line
+            if not line.lstrip().startswith("{"):
+                print(line, end="", flush=True)
+    rc = proc.wait()
+    try:
+        summary = json.loads(last)
+    except json.JSONDecodeError:
+        summary = {"ok": False, "error": f"pipeline exited {rc} without a summary"}
+    if rc != 0 or not summary.get("ok"):
+        raise ValueError(f"pipeline failed (exit {rc}): {summary.get('error', '')}")
+    summary.pop("ok", None)
+    return summary
