@@ -1,0 +1,172 @@
+"""Export a trained head as an SGLang `LlamaForCausalLMEagle3` checkpoint (also loadable by vLLM).
+
+SGLang silently skips tensor names it does not know (a misnamed file "loads" with random weights),
+so the exporter validates every name, shape and dtype against the config it writes, re-reads the
+written file, and only then renames the directory into place. Anything unexpected → ValueError and
+nothing at out_dir.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from eagle3_platform.draft.model import DraftConfig, Eagle3Draft, build_draft
+from eagle3_platform.draft.vocab import check_vocab
+
+ARCH = "LlamaForCausalLMEagle3"
+EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+WEIGHTS_FILE, CONFIG_FILE = "model.safetensors", "config.json"
+
+
+def expected_tensors(config: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """name -> (shape, dtype): exactly the tensors of DESIGN §5 for this config."""
+    H, I = config["hidden_size"], config["intermediate_size"]
+    nh, nkv, hd = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    V, Vd = config["vocab_size"], config["draft_vocab_size"]
+    w = EXPORT_DTYPES[config["torch_dtype"]]
+    mid = "midlayer."
+    return {
+        "fc.weight": ((H, 3 * H), w),
+        mid + "input_layernorm.weight": ((H,), w),
+        mid + "hidden_norm.weight": ((H,), w),
+        mid + "post_attention_layernorm.weight": ((H,), w),
+        "norm.weight": ((H,), w),
+        mid + "self_attn.q_proj.weight": ((nh * hd, 2 * H), w),
+        mid + "self_attn.k_proj.weight": ((nkv * hd, 2 * H), w),
+        mid + "self_attn.v_proj.weight": ((nkv * hd, 2 * H), w),
+        mid + "self_attn.o_proj.weight": ((H, nh * hd), w),
+        mid + "mlp.gate_proj.weight": ((I, H), w),
+        mid + "mlp.up_proj.weight": ((I, H), w),
+        mid + "mlp.down_proj.weight": ((H, I), w),
+        "lm_head.weight": ((Vd, H), w),
+        "d2t": ((Vd,), torch.int64),
+        "t2d": ((V,), torch.bool),
+    }
+
+
+def validate_tensors(tensors: dict[str, torch.Tensor], config: dict) -> None:
+    """Raise ValueError listing every missing/unexpected name and wrong shape/dtype."""
+    want = expected_tensors(config)
+    problems = [f"missing tensor {n}" for n in sorted(set(want) - set(tensors))]
+    problems += [f"unexpected tensor {n} (SGLang would silently ignore it)"
+                 for n in sorted(set(tensors) - set(want))]
+    for n in sorted(set(want) & set(tensors)):
+        shape, dtype = want[n]
+        t = tensors[n]
+        if tuple(t.shape) != shape:
+            problems.append(f"{n}: shape {tuple(t.shape)}, expected {shape}")
+        if t.dtype != dtype:
+            problems.append(f"{n}: dtype {t.dtype}, expected {dtype}")
+    if not problems:
+        try:
+            check_vocab(tensors["d2t"], tensors["t2d"])
+        except ValueError as e:
+            problems.append(str(e))
+    if problems:
+        raise ValueError("refusing to export: " + "; ".join(problems))
+
+
+def sglang_config(cfg: DraftConfig, dtype: str, provenance: dict | None = None) -> dict:
+    return {
+        "architectures": [ARCH],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": cfg.hidden_size,
+        "target_hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": cfg.hidden_act,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        # SGLang ties lm_head to embed_tokens when this is true: must be false for a draft-vocab head
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+        "torch_dtype": dtype,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+                         "use_aux_hidden_state": True},
+        "eagle3_platform": provenance or {},
+    }
+
+
+def config_from_export(c: dict) -> DraftConfig:
+    if c.get("architectures") != [ARCH] or c.get("num_hidden_layers") != 1:
+        raise ValueError(f"not a single-layer {ARCH} export (architectures={c.get('architectures')})")
+    hf = {**c, "rope_parameters": None}
+    return DraftConfig.from_target(hf, c["draft_vocab_size"],
+                                   c["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+
+
+def export_draft(draft_dir, out_dir, dtype: str = "bfloat16") -> dict:
+    """draft_dir (train output) → out_dir with config.json + model.safetensors (SGLang Eagle3 format)."""
+    from eagle3_platform.draft.train import DRAFT_CONFIG, DRAFT_WEIGHTS
+
+    draft_dir, out_dir = Path(draft_dir), Path(out_dir)
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export dtype {dtype!r} not in {sorted(EXPORT_DTYPES)}")
+    for f in (DRAFT_CONFIG, DRAFT_WEIGHTS):
+        if not (draft_dir / f).exists():
+            raise FileNotFoundError(f"{draft_dir / f} missing (is {draft_dir} a trained draft dir?)")
+    meta = json.loads((draft_dir / DRAFT_CONFIG).read_text())
+    cfg = DraftConfig.from_dict(meta["draft"])
+    sd = load_file(str(draft_dir / DRAFT_WEIGHTS))
+    tensors = {n: (t if t.dtype in (torch.int64, torch.bool) else t.to(EXPORT_DTYPES[dtype])).contiguous()
+               for n, t in sd.items()}
+    config = sglang_config(cfg, dtype, {"target": meta.get("target"), "source": str(draft_dir)})
+    validate_tensors(tensors, config)                   # refuse before touching the disk
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+        validate_tensors(load_file(str(tmp / WEIGHTS_FILE)), config)   # what is on disk
+    except Exception:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    return {"export_dir": str(out_dir), "dtype": dtype, "tensors": len(tensors),
+            "bytes": (out_dir / WEIGHTS_FILE).stat().st_size, "draft_vocab_size": cfg.draft_vocab_size,
+            "aux_layer_ids": list(cfg.aux_layer_ids)}
+
+
+def load_export(export_dir, target_or_dir) -> Eagle3Draft:
+    """An exported head as an fp32 Eagle3Draft with the target's embedding (a prepared target dir or a
+    loaded Target / HF model). Validates the export exactly like the exporter does."""
+    export_dir = Path(export_dir)
+    config = json.loads((export_dir / CONFIG_FILE).read_text())
+    if config.get("torch_dtype") not in EXPORT_DTYPES:
+        raise ValueError(f"{export_dir}: unsupported torch_dtype {config.get('torch_dtype')!r}")
+    tensors = load_file(str(export_dir / WEIGHTS_FILE))
+    validate_tensors(tensors, config)
+    cfg = config_from_export(config)
+    sd = {n: (t if t.dtype in (torch.int64, torch.bool) else t.float()) for n, t in tensors.items()}
+    if isinstance(target_or_dir, (str, Path)):
+        draft = build_draft(target_or_dir, cfg, init_from_target=False)
+    else:
+        model = getattr(target_or_dir, "model", target_or_dir)
+        draft = Eagle3Draft(cfg)
+        with torch.no_grad():
+            draft.embed_tokens.weight.copy_(model.get_input_embeddings().weight.float())
+    draft.load_head_state_dict(sd)
+    return draft.eval()
+
+
+def export_header(export_dir) -> dict:
+    with safe_open(str(Path(export_dir) / WEIGHTS_FILE), framework="pt") as f:
+        return {"keys": sorted(f.keys()), "metadata": f.metadata()}

@@ -1,0 +1,343 @@
+"""TTT training of the EAGLE-3 head from offline feature shards (DESIGN §5).
+
+Determinism (what makes `--resume` end with the same weights as an uninterrupted run):
+- the data order is a pure function of (seed, epoch): batch `step` is plan[step], rebuilt on resume;
+- the learning rate is a pure function of step (no scheduler object to restore);
+- checkpoints hold the head weights, AdamW moments and step counts, and the torch RNG state, all as
+  safetensors (+ JSON scalars) — no pickle; written to a tmp dir and renamed (atomic).
+Multi-process: torchrun (env WORLD_SIZE/RANK) or an already-initialised process group → DDP (gloo on
+CPU). Every rank takes samples rank::world of the same global batch; the loss is normalised by the
+global count of supervised positions, so 2 processes compute the 1-process gradient of that batch.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from eagle3_platform.draft.metrics import simulated_acceptance
+from eagle3_platform.draft.model import DraftConfig, Eagle3Draft, build_draft, target_head_weights, \
+    target_hf_config
+from eagle3_platform.draft.ttt import TTTLoss, batch_targets, collate
+from eagle3_platform.draft.vocab import load_vocab, save_vocab, vocab_from_features
+
+DRAFT_WEIGHTS, DRAFT_CONFIG, METRICS, VOCAB = "draft.safetensors", "draft_config.json", "metrics.json", \
+    "vocab.safetensors"
+CKPT = "checkpoint"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    ttt_steps: int = 7                 # K
+    draft_vocab_size: int = 32000      # Vd (capped at the target vocab size)
+    lr: float = 1e-4
+    warmup_ratio: float = 0.03         # fraction of total steps with linear warm-up
+    min_lr_ratio: float = 0.0          # cosine decays to lr * min_lr_ratio
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 0.5
+    batch_tokens: int = 16384          # real (unpadded) tokens per global batch
+    max_len: int = 2048                # samples are truncated to this many tokens
+    epochs: int = 10
+    max_steps: int | None = None       # cap on optimizer steps (None: all epochs)
+    ckpt_every: int = 500
+    log_every: int = 50
+    eval_samples: int = 256            # training samples re-evaluated for train acc_k (first N)
+    seed: int = 0
+    init_from_target: bool = True      # lm_head/norm start from the target's rows of the draft vocab
+    num_threads: int | None = None     # torch intra-op threads (None: torch default)
+
+
+PRESETS: dict[str, TrainConfig] = {
+    # unit tests: seconds on the tiny target
+    "tiny": TrainConfig(ttt_steps=3, draft_vocab_size=64, lr=1e-3, warmup_ratio=0.2, batch_tokens=256,
+                        max_len=128, epochs=2, ckpt_every=2, log_every=1, eval_samples=8),
+    # embedded default run on 2 CPU cores, a few thousand tokens, a few minutes: K=4 instead of 7 halves
+    # the cost per token; lr 1e-3 because a few hundred steps at 1e-4 barely move a fresh head
+    # (the public 1e-4 assumes ~10^5 steps); Vd 8192 covers the response tokens of a demo corpus.
+    "demo": TrainConfig(ttt_steps=4, draft_vocab_size=8192, lr=1e-3, warmup_ratio=0.05,
+                        batch_tokens=2048, max_len=1024, epochs=4, ckpt_every=25, log_every=5,
+                        eval_samples=64),
+    # real training (GPU / many cores): the public EAGLE-3 / SpecForge recipe
+    "full": TrainConfig(ttt_steps=7, draft_vocab_size=32000, lr=1e-4, warmup_ratio=0.03,
+                        batch_tokens=16384, max_len=4096, epochs=10, ckpt_every=500, log_every=50,
+                        eval_samples=256),
+}
+
+
+# ---- distributed ---------------------------------------------------------------------------------
+def dist_setup() -> tuple[int, int]:
+    """(rank, world). Initialises gloo from torchrun's env when needed."""
+    if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("gloo")
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def all_sum(x: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        x = x.clone()
+        dist.all_reduce(x)
+    return x
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# ---- data plan + schedule ------------------------------------------------------------------------
+def batch_plan(lengths: list[int], cfg: TrainConfig) -> list[list[int]]:
+    """All global batches, in order: each epoch a seeded permutation packed greedily to batch_tokens."""
+    plan = []
+    for epoch in range(cfg.epochs):
+        g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
+        cur, cur_tokens = [], 0
+        for i in torch.randperm(len(lengths), generator=g).tolist():
+            n = min(lengths[i], cfg.max_len)
+            if cur and cur_tokens + n > cfg.batch_tokens:
+                plan.append(cur)
+                cur, cur_tokens = [], 0
+            cur.append(i)
+            cur_tokens += n
+        if cur:
+            plan.append(cur)
+    return plan[:cfg.max_steps] if cfg.max_steps else plan
+
+
+def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
+    warmup = max(1, round(cfg.warmup_ratio * total))
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+# ---- checkpoints (safetensors + JSON, atomic dir rename) -----------------------------------------
+def named_trainable(draft: Eagle3Draft) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in draft.named_parameters() if p.requires_grad]
+
+
+def save_checkpoint(out_dir: Path, draft: Eagle3Draft, opt: torch.optim.Optimizer, state: dict) -> None:
+    tmp, final, old = out_dir / (CKPT + ".tmp"), out_dir / CKPT, out_dir / (CKPT + ".old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(draft.head_state_dict(), str(tmp / "model.safetensors"))
+    optim = {"rng.torch": torch.get_rng_state()}
+    for n, p in named_trainable(draft):
+        for key, val in opt.state.get(p, {}).items():   # exp_avg, exp_avg_sq, step
+            optim[f"{n}.{key}"] = val.detach().clone().reshape(val.shape).contiguous()
+    save_file(optim, str(tmp / "optim.safetensors"))
+    (tmp / "state.json").write_text(json.dumps(state, indent=2))
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def find_checkpoint(out_dir: Path) -> Path | None:
+    for name in (CKPT, CKPT + ".old"):  # .old survives a kill between the two renames
+        if (out_dir / name / "state.json").exists():
+            return out_dir / name
+    return None
+
+
+def load_checkpoint(path: Path, draft: Eagle3Draft, opt: torch.optim.Optimizer) -> dict:
+    draft.load_head_state_dict(load_file(str(path / "model.safetensors")))
+    optim = load_file(str(path / "optim.safetensors"))
+    torch.set_rng_state(optim.pop("rng.torch"))
+    for n, p in named_trainable(draft):
+        st = {k.split(".")[-1]: v for k, v in optim.items() if k.rsplit(".", 1)[0] == n}
+        if st:
+            opt.state[p] = st
+    return json.loads((path / "state.json").read_text())
+
+
+# ---- evaluation ----------------------------------------------------------------------------------
+@torch.no_grad()
+def evaluate(draft: Eagle3Draft, ds, indices: list[int], lm_head: torch.Tensor, cfg: TrainConfig) -> dict:
+    """Per-step top-1 accuracy acc_k (draft argmax == target top-1, on supervised positions) and the
+    simulated acceptance length computed from it."""
+    loss_fn = TTTLoss(draft, cfg.ttt_steps)
+    correct = torch.zeros(cfg.ttt_steps, dtype=torch.int64)
+    counted = torch.zeros(cfg.ttt_steps, dtype=torch.int64)
+    loss_sum, n_batches = 0.0, 0
+    for chunk in batch_plan([len(ds[i]["input_ids"]) for i in indices], replace(cfg, epochs=1, max_steps=None)):
+        batch = collate([ds[indices[i]] for i in chunk], cfg.max_len)
+        tlogp, masks = batch_targets(batch, lm_head, draft, cfg.ttt_steps)
+        denom = torch.stack([m.sum() for m in masks])
+        loss, c, n = loss_fn(batch.aux_hidden, batch.input_ids, tlogp, masks, denom)
+        correct += c
+        counted += n
+        loss_sum, n_batches = loss_sum + float(loss), n_batches + 1
+    acc = [float(c) / max(1, int(n)) for c, n in zip(correct, counted)]
+    return {"acc": acc, "supervised": counted.tolist(), "loss": loss_sum / max(1, n_batches),
+            "simulated_acceptance": simulated_acceptance(acc), "samples": len(indices)}
+
+
+# ---- training ------------------------------------------------------------------------------------
+def _expect(target_dir: Path) -> dict:
+    from eagle3_platform.target import read_meta
+
+    meta = read_meta(target_dir)
+    return {k: meta[k] for k in ("target_id", "weights_hash", "capture_layer_ids")}
+
+
+def _log(msg: str) -> None:
+    print(f"[train] {msg}", file=sys.stderr, flush=True)
+
+
+def prepare(target_dir, feature_dirs, out_dir: Path, cfg: TrainConfig, vocab_path, rank: int):
+    """Datasets, vocab, draft model (seeded init), frozen target lm_head."""
+    from eagle3_platform.features.shards import ShardDataset
+
+    expect = _expect(target_dir)
+    hf = target_hf_config(target_dir)
+    ds = ShardDataset(list(feature_dirs), expect=expect)
+    vd = min(cfg.draft_vocab_size, hf["vocab_size"])
+    if vocab_path:
+        d2t, t2d, vstats = load_vocab(vocab_path)
+    else:
+        d2t, t2d, vstats = vocab_from_features(feature_dirs, hf["vocab_size"], vd, expect)
+        if rank == 0:
+            save_vocab(out_dir / VOCAB, d2t, t2d, vstats)
+    dcfg = DraftConfig.from_target(hf, d2t.numel(), expect["capture_layer_ids"])
+    torch.manual_seed(cfg.seed)
+    draft = build_draft(target_dir, dcfg, cfg.init_from_target, d2t, t2d)
+    lm_head = target_head_weights(target_dir)["lm_head"].float()   # [V,H] frozen teacher head
+    return ds, draft, lm_head, vstats, expect
+
+
+def train(target_dir, feature_dirs, out_dir, cfg: TrainConfig, resume: bool = False,
+          eval_dirs=(), vocab_path=None) -> dict:
+    """Train a head on the feature dirs; writes out_dir/{draft.safetensors, draft_config.json,
+    metrics.json, vocab.safetensors}; returns the summary (also metrics.json)."""
+    from tqdm import tqdm
+
+    from eagle3_platform.features.shards import ShardDataset
+
+    target_dir, out_dir = Path(target_dir), Path(out_dir)
+    feature_dirs = [str(d) for d in feature_dirs]
+    if not feature_dirs:
+        raise ValueError("no feature dirs given")
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    rank, world = dist_setup()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ds, draft, lm_head, vstats, expect = prepare(target_dir, feature_dirs, out_dir, cfg, vocab_path, rank)
+    plan = batch_plan(ds.sample_lengths(), cfg)
+    total = len(plan)
+    params = [p for _, p in named_trainable(draft)]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    fingerprint = {"feature_dirs": feature_dirs, "samples": len(ds), "train": _cfg_dict(cfg),
+                   "target": expect, "total_steps": total}
+    start, history = 0, []
+    ckpt = find_checkpoint(out_dir) if resume else None
+    if ckpt is not None:
+        state = load_checkpoint(ckpt, draft, opt)
+        if state["fingerprint"] != fingerprint:
+            raise ValueError(f"checkpoint {ckpt} was written for a different run (data/config); "
+                             "use a new --out or drop --resume")
+        start, history = state["step"], state["history"]
+        _log(f"resumed from {ckpt} at step {start}/{total}")
+    elif resume:
+        _log(f"no checkpoint in {out_dir}; starting from scratch")
+    model = TTTLoss(draft, cfg.ttt_steps)
+    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    K, t0, tokens = cfg.ttt_steps, time.time(), 0
+    acc_c, acc_n, loss_acc, n_acc = torch.zeros(K), torch.zeros(K), 0.0, 0
+    bar = tqdm(range(start, total), desc="train", file=sys.stderr, disable=rank != 0, initial=start,
+               total=total)
+    for step in bar:
+        batch_idx = plan[step]
+        local = batch_idx[rank::world]
+        batch = collate([ds[i] for i in (local or batch_idx[:1])], cfg.max_len)
+        tlogp, masks = batch_targets(batch, lm_head, draft, K)
+        if not local:  # more ranks than samples: a zero-weight stand-in keeps DDP's collectives aligned
+            masks = [torch.zeros_like(m) for m in masks]
+        denom = all_sum(torch.stack([m.sum() for m in masks]))
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, total, cfg)
+        loss, c, n = ddp(batch.aux_hidden, batch.input_ids, tlogp, masks, denom, float(world))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        stats = all_sum(torch.cat([loss.detach().reshape(1) / world, c.float(), n.float()]))
+        loss_acc, n_acc = loss_acc + float(stats[0]), n_acc + 1
+        acc_c, acc_n = acc_c + stats[1:1 + K], acc_n + stats[1 + K:]
+        tokens += int(all_sum(batch.lengths.sum() if local else torch.tensor(0)))
+        if (step + 1) % cfg.log_every == 0 or step + 1 == total:
+            acc = (acc_c / acc_n.clamp(min=1)).tolist()
+            history.append({"step": step + 1, "loss": loss_acc / n_acc, "lr": lr_at(step, total, cfg),
+                            "acc": acc, "simulated_acceptance": simulated_acceptance(acc)})
+            bar.set_postfix(loss=f"{loss_acc / n_acc:.3f}", acc0=f"{acc[0]:.3f}")
+            acc_c, acc_n, loss_acc, n_acc = torch.zeros(K), torch.zeros(K), 0.0, 0
+        if (step + 1) % cfg.ckpt_every == 0 or step + 1 == total:
+            if rank == 0:
+                save_checkpoint(out_dir, draft, opt, {"step": step + 1, "history": history,
+                                                      "fingerprint": fingerprint})
+            barrier()
+    wall = time.time() - t0
+    summary = {"out_dir": str(out_dir), "steps": total, "resumed_from": start, "world_size": world,
+               "train_tokens": tokens, "train_tokens_per_s": tokens / wall if wall and tokens else None,
+               "vocab": vstats, "history": history}
+    if rank == 0:
+        summary.update(_final_eval(draft, ds, eval_dirs, expect, lm_head, cfg))
+        _write_outputs(out_dir, draft, cfg, expect, feature_dirs, summary)
+        _log(f"done: {total} steps; train sim. acceptance {summary['train_eval']['simulated_acceptance']:.3f}")
+    barrier()
+    return summary
+
+
+def _final_eval(draft, ds, eval_dirs, expect, lm_head, cfg: TrainConfig) -> dict:
+    from eagle3_platform.features.shards import ShardDataset
+
+    draft.eval()
+    out = {"train_eval": evaluate(draft, ds, list(range(min(len(ds), cfg.eval_samples))), lm_head, cfg)}
+    if eval_dirs:
+        eds = ShardDataset([str(d) for d in eval_dirs], expect=expect)
+        out["eval"] = evaluate(draft, eds, list(range(len(eds))), lm_head, cfg)
+        out["eval_simulated_acceptance"] = out["eval"]["simulated_acceptance"]
+    out["train_simulated_acceptance"] = out["train_eval"]["simulated_acceptance"]
+    return out
+
+
+def _cfg_dict(cfg: TrainConfig) -> dict:
+    d = asdict(cfg)
+    d["betas"] = list(cfg.betas)
+    return d
+
+
+def _write_outputs(out_dir: Path, draft: Eagle3Draft, cfg: TrainConfig, expect: dict, feature_dirs,
+                   summary: dict) -> None:
+    def atomic(path: Path, write) -> None:
+        tmp = path.with_name(path.name + ".tmp")
+        write(tmp)
+        os.replace(tmp, path)
+
+    atomic(out_dir / DRAFT_WEIGHTS, lambda p: save_file(draft.head_state_dict(), str(p)))
+    meta = {"draft": draft.cfg.to_dict(), "target": expect, "train": _cfg_dict(cfg),
+            "feature_dirs": feature_dirs}
+    atomic(out_dir / DRAFT_CONFIG, lambda p: p.write_text(json.dumps(meta, indent=2)))
+    atomic(out_dir / METRICS, lambda p: p.write_text(json.dumps(summary, indent=2)))
+
+
+def load_draft_dir(draft_dir, target_dir) -> Eagle3Draft:
+    """A trained head (draft.safetensors + draft_config.json) with the target's embedding."""
+    draft_dir = Path(draft_dir)
+    meta = json.loads((draft_dir / DRAFT_CONFIG).read_text())
+    draft = build_draft(target_dir, DraftConfig.from_dict(meta["draft"]), init_from_target=False)
+    draft.load_head_state_dict(load_file(str(draft_dir / DRAFT_WEIGHTS)))
+    return draft.eval()

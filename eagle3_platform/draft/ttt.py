@@ -1,0 +1,185 @@
+"""Training-time test (TTT) for the EAGLE-3 head: alignment, attention pattern, loss (DESIGN §5).
+
+Alignment (sequence x_0..x_{T-1}, target features g_t, target post-norm state s_t, z_t = lm_head(s_t)):
+  step k, position t: hidden = fc(g_t) (k=0) or the draft's own pre-norm output of step k-1 at t;
+                      token  = x_{t+1+k};  RoPE position t+k;  predicts x_{t+2+k};
+                      teacher = softmax(z_{t+1+k} restricted to the draft vocab)  (renormalised)
+  supervised iff loss_mask[t+2+k] == 1 (the predicted token is a response token)
+             and argmax_V z_{t+1+k} is in the draft vocab (otherwise the draft can never be right).
+Why the shifted mask (loss_mask[t+2+k], not SpecForge's loss_mask[t]): at inference the target emits
+the first response token x_r itself; the draft's first guess is then x_{r+1} from (g_{r-1}, x_r) — the
+position t = r-1 whose loss_mask[t] is 0 (prompt) but loss_mask[t+2] is 1. The unshifted mask never
+trains that guess, which is made on every single request; the shifted one does (tested).
+
+Attention at (step k, position t): step-0 keys at positions ≤ t, plus the key of every step j in 1..k
+at the same position t (the draft's own earlier guesses along this chain — exactly what it sees when
+drafting at inference). `ttt_attention` computes this per step in one pass: a causal [T,T] block
+against step-0 keys plus k diagonal scores (elementwise q·k_j), softmaxed together.
+`naive_ttt_attention` is the reference: all keys of steps 0..k concatenated with an explicit mask.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from eagle3_platform.draft.model import Eagle3Draft, repeat_kv
+
+STEP_WEIGHT_DECAY = 0.8   # loss weight of step k is 0.8**k (EAGLE-3 / SpecForge)
+TEACHER_CHUNK = 1024      # rows of last_hidden per full-vocab teacher matmul (bounds memory)
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor    # [B,T] int64, right-padded with 0
+    loss_mask: torch.Tensor    # [B,T] bool, False on padding
+    aux_hidden: torch.Tensor   # [B,T,3H]
+    last_hidden: torch.Tensor  # [B,T,H]
+    lengths: torch.Tensor      # [B]
+
+
+def collate(samples: Sequence[dict], max_len: int | None = None) -> Batch:
+    """Right-pad samples (ShardDataset items) into a batch; truncate each to max_len tokens.
+    Right padding is invisible to real positions: attention is causal (plus same-position keys)."""
+    lens = [min(len(s["input_ids"]), max_len or 1 << 62) for s in samples]
+    B, T = len(samples), max(lens)
+    H = samples[0]["last_hidden"].shape[-1]
+    b = Batch(torch.zeros(B, T, dtype=torch.int64), torch.zeros(B, T, dtype=torch.bool),
+              torch.zeros(B, T, 3 * H), torch.zeros(B, T, H), torch.tensor(lens))
+    for i, (s, n) in enumerate(zip(samples, lens)):
+        b.input_ids[i, :n] = torch.as_tensor(s["input_ids"][:n]).long()
+        b.loss_mask[i, :n] = torch.as_tensor(s["loss_mask"][:n]).bool()
+        b.aux_hidden[i, :n] = s["aux_hidden"][:n].float()
+        b.last_hidden[i, :n] = s["last_hidden"][:n].float()
+    return b
+
+
+@torch.no_grad()
+def teacher(last_hidden: torch.Tensor, target_lm_head: torch.Tensor, draft_to_target: torch.Tensor):
+    """last_hidden [B,T,H] (target post-norm), target_lm_head [V,H], draft_to_target [Vd] →
+    (teacher log-probs over the draft vocab [B,T,Vd] fp32, target top-1 in draft vocab [B,T] bool).
+    Chunked so the full [*,V] logits never exist for more than TEACHER_CHUNK rows at a time."""
+    B, T, H = last_hidden.shape
+    flat = last_hidden.reshape(-1, H).float()
+    in_vocab = torch.zeros(V := target_lm_head.shape[0], dtype=torch.bool)
+    in_vocab[draft_to_target] = True
+    logp, ok = [], []
+    W = target_lm_head.float()
+    for i in range(0, flat.shape[0], TEACHER_CHUNK):
+        z = flat[i:i + TEACHER_CHUNK] @ W.T                          # [n,V]
+        ok.append(in_vocab[z.argmax(-1)])                            # [n]
+        logp.append(torch.log_softmax(z[:, draft_to_target], -1))    # [n,Vd] renormalised over Vd
+    assert V == in_vocab.numel()
+    return torch.cat(logp).view(B, T, -1), torch.cat(ok).view(B, T)
+
+
+def step_masks(loss_mask: torch.Tensor, in_vocab: torch.Tensor, K: int) -> list[torch.Tensor]:
+    """[B,T] supervision mask of every step k: m_k[t] = loss_mask[t+2+k] & in_vocab[t+1+k] (0 past T)."""
+    B, T = loss_mask.shape
+    out = []
+    for k in range(K):
+        m = torch.zeros(B, T, dtype=torch.bool)
+        n = T - 2 - k
+        if n > 0:
+            m[:, :n] = loss_mask[:, 2 + k:2 + k + n] & in_vocab[:, 1 + k:1 + k + n]
+        out.append(m)
+    return out
+
+
+def shift_left(x: torch.Tensor, s: int, fill=0) -> torch.Tensor:
+    """out[:, t] = x[:, t+s] (fill past the end)."""
+    out = torch.full_like(x, fill)
+    if s < x.shape[1]:
+        out[:, :x.shape[1] - s] = x[:, s:]
+    return out
+
+
+def ttt_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
+    """q [B,nh,T,hd]; ks/vs: keys/values of steps 0..k, each [B,nh,T,hd] → [B,nh,T,hd].
+    Scores: causal block q·K0ᵀ [T,T] and, for j = 1..k, the diagonal q_t·K_j[t] [T,1]; one softmax."""
+    T, scale = q.shape[2], 1.0 / math.sqrt(q.shape[-1])
+    s0 = (q @ ks[0].transpose(-1, -2)) * scale                        # [B,nh,T,T]
+    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    s0 = s0.masked_fill(future, float("-inf"))                        # step-0 keys at positions ≤ t
+    diag = [(q * kj).sum(-1, keepdim=True) * scale for kj in ks[1:]]  # k × [B,nh,T,1]
+    w = torch.softmax(torch.cat([s0, *diag], dim=-1).float(), dim=-1).to(q.dtype)  # [B,nh,T,T+k]
+    out = w[..., :T] @ vs[0]
+    for j, vj in enumerate(vs[1:]):
+        out = out + w[..., T + j:T + j + 1] * vj                     # same-position value of step j+1
+    return out
+
+
+def naive_ttt_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
+    """Reference: keys of all steps concatenated [(k+1)T] with an explicit boolean mask."""
+    T, n = q.shape[2], len(ks)
+    K = torch.cat(ks, dim=2)                                          # [B,nh,(k+1)T,hd]
+    Vv = torch.cat(vs, dim=2)
+    allowed = torch.zeros(T, n * T, dtype=torch.bool)
+    for t in range(T):
+        allowed[t, :t + 1] = True                                     # step 0: positions ≤ t
+        for j in range(1, n):
+            allowed[t, j * T + t] = True                              # step j: only position t
+    scores = (q @ K.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    w = torch.softmax(scores.masked_fill(~allowed, float("-inf")).float(), dim=-1).to(q.dtype)
+    return w @ Vv
+
+
+AttentionFn = Callable[[torch.Tensor, list, list], torch.Tensor]
+
+
+def ttt_forward(model: Eagle3Draft, aux_hidden: torch.Tensor, input_ids: torch.Tensor, K: int,
+                attention: AttentionFn = ttt_attention):
+    """Yields (k, logits_k [B,T,Vd]) for k = 0..K-1 (position t of step k predicts x_{t+2+k})."""
+    B, T = input_ids.shape
+    n_rep = model.cfg.num_attention_heads // model.cfg.num_key_value_heads
+    hidden = model.project(aux_hidden)                                # [B,T,H] = fc(g)
+    ks, vs = [], []
+    for k in range(K):
+        emb = model.embed(shift_left(input_ids, 1 + k)).to(hidden.dtype)  # emb(x_{t+1+k})
+        pos = (torch.arange(T, device=input_ids.device) + k).expand(B, T)  # RoPE position t+k
+        cos, sin = model.rope(hidden, pos)
+        q, kk, vv = model.midlayer.qkv(emb, hidden, cos, sin)
+        ks.append(repeat_kv(kk, n_rep))
+        vs.append(repeat_kv(vv, n_rep))
+        hidden = model.midlayer.finish(hidden, attention(q, ks, vs))  # pre-norm output → next step
+        yield k, model.logits(hidden)
+
+
+class TTTLoss(nn.Module):
+    """Wraps the draft so DDP sees one forward: returns (loss, stats) for a batch.
+
+    denominators [K]: number of supervised positions of each step over the GLOBAL batch (all ranks);
+    scale: world size (DDP averages gradients over ranks, so loss·world/global_count gives exactly the
+    single-process gradient of the global batch)."""
+
+    def __init__(self, draft: Eagle3Draft, K: int):
+        super().__init__()
+        self.draft, self.K = draft, K
+
+    def forward(self, aux_hidden, input_ids, teacher_logp, masks, denominators, scale: float = 1.0):
+        loss = aux_hidden.new_zeros((), dtype=torch.float32)
+        correct, counted = [], []
+        for k, logits in ttt_forward(self.draft, aux_hidden, input_ids, self.K):
+            m = masks[k]                                               # [B,T]
+            tgt = shift_left(teacher_logp, 1 + k)                      # [B,T,Vd] = teacher at t+1+k
+            logp = torch.log_softmax(logits.float(), -1)               # fp32 soft-label CE
+            ce = -(tgt.exp() * logp).sum(-1)                           # [B,T]
+            loss = loss + STEP_WEIGHT_DECAY ** k * (ce * m).sum() / denominators[k].clamp(min=1)
+            hit = (logits.argmax(-1) == tgt.argmax(-1)) & m
+            correct.append(hit.sum())
+            counted.append(m.sum())
+        return loss * scale, torch.stack(correct), torch.stack(counted)
+
+
+def batch_targets(batch: Batch, target_lm_head: torch.Tensor, draft: Eagle3Draft, K: int):
+    """Teacher log-probs [B,T,Vd] and per-step supervision masks for a batch."""
+    d2t_ids = draft.to_target_ids(torch.arange(draft.cfg.draft_vocab_size))
+    tlogp, in_vocab = teacher(batch.last_hidden, target_lm_head, d2t_ids)
+    return tlogp, step_masks(batch.loss_mask, in_vocab, K)
+
+
+__all__ = ["Batch", "collate", "teacher", "step_masks", "ttt_attention", "naive_ttt_attention",
+           "ttt_forward", "TTTLoss", "batch_targets", "STEP_WEIGHT_DECAY"]
