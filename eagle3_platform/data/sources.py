@@ -47,7 +47,7 @@ __all__ = ["SourceConfig", "PRESETS", "iter_workload", "write_workload", "source
 
 @dataclass(frozen=True)
 class SourceConfig:
-    train_limit: int | None      # train records per workload (None = all)
+    limit: int | None            # train records per workload (None = all)
     eval_limit: int | None       # eval records per workload handed downstream (membership is fixed)
     long_context_max_chars: int  # passage(s) + question + instruction, cut at paragraph boundaries
     math_size: int               # gsm_symbolic items generated (before the split)
@@ -55,13 +55,24 @@ class SourceConfig:
 
 
 PRESETS: dict[str, SourceConfig] = {
-    "tiny": SourceConfig(train_limit=8, eval_limit=2, long_context_max_chars=1500, math_size=1000),
+    "tiny": SourceConfig(limit=8, eval_limit=2, long_context_max_chars=1500, math_size=1000),
     # demo: the whole graph on 2 CPU cores in ~20 min -> few, short prompts
-    "demo": SourceConfig(train_limit=24, eval_limit=4, long_context_max_chars=3000, math_size=10_000),
+    "demo": SourceConfig(limit=24, eval_limit=4, long_context_max_chars=3000, math_size=10_000),
     # full: everything (SmolLM2 has an 8k-token window; 16k chars ~ 4k tokens leaves room to answer)
-    "full": SourceConfig(train_limit=None, eval_limit=None, long_context_max_chars=16_000, math_size=10_000),
+    "full": SourceConfig(limit=None, eval_limit=None, long_context_max_chars=16_000, math_size=10_000),
 }
 DEFAULT_CFG = PRESETS["full"]
+
+
+def resolve_cfg(cfg: SourceConfig | str | None) -> SourceConfig:
+    """A SourceConfig, a preset name, or None (= the full preset)."""
+    if cfg is None:
+        return DEFAULT_CFG
+    if isinstance(cfg, str):
+        if cfg not in PRESETS:
+            raise ValueError(f"unknown sources preset {cfg!r}; expected one of {', '.join(PRESETS)}")
+        return PRESETS[cfg]
+    return cfg
 
 
 def in_eval(item: pkg.Item) -> bool:
@@ -122,18 +133,19 @@ def _check(workload: str, split: str, limit: int | None) -> None:
 
 
 def iter_workload(workload: str, split: str = "train", limit: int | None = None, seed: int | None = None,
-                  extra_dir: str | Path | None = None, cfg: SourceConfig | None = None
+                  extra_dir: str | Path | None = None, cfg: SourceConfig | str | None = None
                   ) -> Iterator[PromptRecord]:
     """Prompt records of one workload split, sources interleaved, stopping after `limit`.
 
-    cfg (default: the `full` preset) gives the long-context truncation, the gsm_symbolic size and,
-    when `limit`/`seed` are None, the preset's limit for this split and its seed.
+    cfg (a SourceConfig or preset name; default `full`) gives the long-context truncation, the
+    gsm_symbolic size and, when `limit`/`seed` are None, the preset's limit for this split and seed.
+    `seed` only changes math (gsm_symbolic generation); the other sources are fixed files.
     """
-    cfg = cfg or DEFAULT_CFG
+    cfg = resolve_cfg(cfg)
     _check(workload, split, limit)
     seed = cfg.seed if seed is None else seed
     if limit is None:
-        limit = cfg.train_limit if split == "train" else cfg.eval_limit
+        limit = cfg.limit if split == "train" else cfg.eval_limit
     streams = _package_streams(workload, cfg, seed)
     streams += [iter_extra_file(workload, p) for p in extra_files(workload, extra_dir)]
     want_eval = split == "eval"
@@ -146,7 +158,7 @@ def iter_workload(workload: str, split: str = "train", limit: int | None = None,
 
 def write_workload(workload: str, out_path: str | Path, split: str = "train", limit: int | None = None,
                    seed: int | None = None, extra_dir: str | Path | None = None,
-                   cfg: SourceConfig | None = None) -> dict:
+                   cfg: SourceConfig | str | None = None) -> dict:
     """Write one workload split as JSONL (atomic) and summarise it."""
     by_source: Counter = Counter()
 
