@@ -88,6 +88,17 @@ class Finding:
 
 
 _NER_SPAN = re.compile(r"^[^\W\d_](?:[^\W\d_]|[.'\- ])*$")  # words on one line: letters, no digits/underscores
+# Technical names the small model reads as places or people ("Explain list comprehensions in Python" ->
+# LOCATION). Compared case-insensitively against the whole NER span.
+TECH_TERMS = frozenset(t.lower() for t in (
+    "Python Java JavaScript TypeScript Ruby Rust Go Golang Swift Kotlin Scala Julia Perl PHP Haskell Elixir "
+    "Erlang Dart Lua Fortran Cobol Matlab Bash PowerShell SQL MySQL PostgreSQL Postgres SQLite Redis MongoDB "
+    "Django Flask FastAPI React Angular Vue Svelte Node Deno Flutter Laravel Spring Rails Pandas NumPy SciPy "
+    "PyTorch TensorFlow Keras Jupyter Linux Ubuntu Debian Fedora Windows macOS iOS Android Docker Kubernetes "
+    "Terraform Ansible Jenkins Nginx Apache Kafka Spark Hadoop Airflow Dagster Git GitHub GitLab AWS Azure GCP "
+    "Excel Tableau Unity Unreal Blender Figma Slack Discord Notion Jira Chrome Firefox Safari Arduino "
+    "ChatGPT GPT OpenAI Copilot Lambda Selenium Vim Emacs Markdown LaTeX HTML CSS JSON YAML"
+).split()) | {"raspberry pi", "visual studio", "vs code", "next.js", "node.js", "ruby on rails"}
 _SSN_SHAPE = re.compile(r"^\d{3}-\d{2}-\d{4}$")
 
 
@@ -192,8 +203,8 @@ class PiiScanner:
 
     def _keep(self, r: RecognizerResult, text: str) -> bool:
         span = text[r.start:r.end]
-        if r.entity_type in NER_ENTITIES and not _NER_SPAN.match(span):
-            return False  # the small model tags tokens, key material, code identifiers as names/places
+        if r.entity_type in NER_ENTITIES and (not _NER_SPAN.match(span) or span.lower() in TECH_TERMS):
+            return False  # the small model tags tokens, key material, languages, tools as names/places
         if r.entity_type == "PERSON":
             return len(span.split()) >= self.cfg.min_person_tokens
         if r.entity_type == "PHONE_NUMBER":
