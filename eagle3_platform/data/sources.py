@@ -20,6 +20,7 @@ on one side. Train records are never dropped here for contamination: the filter 
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import itertools
 import sys
 from collections import Counter
@@ -182,9 +183,9 @@ def _labelled_files(workload: str, extra_dir: str | Path | None) -> list[tuple[s
             "code": [pkg.HUMANEVAL_FILE, SHAREGPT_SOURCE], "math": [],
             "long_context": [pkg.SQUAD_FILE, pkg.HOTPOT_FILE]}[workload]
     out = [(rel, pkg.package_file(rel)) for rel in rels]
-    if workload == "math":  # the generator code is the data
-        gsm = pkg.package_file(pkg.GSM_DIR)
-        out += [(f"{pkg.GSM_DIR}/{p.name}", p) for p in sorted(gsm.glob("*.py"))]
+    if workload == "math":  # the generator code is the data; the version covers its helpers
+        gsm, version = pkg.package_file(pkg.GSM_DIR), importlib.metadata.version("reasoning_gym")
+        out += [(f"{pkg.GSM_DIR}/{p.name}@{version}", p) for p in sorted(gsm.glob("*.py"))]
     out += [(extra_source(workload, p), p) for p in extra_files(workload, extra_dir)]
     return out
 

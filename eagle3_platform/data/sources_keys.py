@@ -64,6 +64,8 @@ def file_sha256(path: Path) -> str:
     except (OSError, ValueError):
         stored = {}
     if key not in stored:
+        prefix = key.rsplit("|", 2)[0] + "|"
+        stored = {k: v for k, v in stored.items() if not k.startswith(prefix)}  # stale versions
         stored[key] = sha256_file(path)
         try:  # a cache, not a record: losing a race with another process only costs a re-hash
             _write_json_atomic(disk, stored)
