@@ -61,6 +61,13 @@ def test_shard_round_trip_dtypes_offsets_header(tmp_path):
     assert ds.header["max_length"] == 64 and ds.header["template_hash"] == "th"
 
 
+def test_shard_bytes_are_deterministic(tmp_path):
+    _write_dir(tmp_path / "a")
+    _write_dir(tmp_path / "b")
+    for k in range(3):  # same content -> same bytes -> same sha256 (resume can be byte-identical)
+        assert (tmp_path / "a" / shard_name(k)).read_bytes() == (tmp_path / "b" / shard_name(k)).read_bytes()
+
+
 def test_manifest_rows_match_files(tmp_path):
     _write_dir(tmp_path)
     m = read_manifest(tmp_path)
@@ -164,3 +171,182 @@ def test_write_shard_validates_samples(tmp_path):
     with pytest.raises(ValueError, match="lacks"):
         write_shard(tmp_path / "x.safetensors", [s], {"target_id": "t"})
     assert not (tmp_path / "x.safetensors").exists()
+
+
+# ---------------------------------------------------------------- extraction
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+from eagle3_platform.features.capture import forward_capture
+from eagle3_platform.features.extract import PRESETS, extract_file, target_header
+from eagle3_platform.records import ConversationRecord, read_jsonl, write_jsonl_atomic
+from eagle3_platform.storage import LocalStorage
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = PRESETS["tiny"]
+
+
+def _conversations(target, n: int, seed: int = 0) -> list[ConversationRecord]:
+    from eagle3_platform.data.chat import render, template_hash
+
+    words = "the quick brown fox jumps over lazy dog what is x answer four step by step".split()
+    g = torch.Generator().manual_seed(seed)
+    pick = lambda k: " ".join(words[int(j)] for j in torch.randint(0, len(words), (k,), generator=g))
+    out = []
+    for i in range(n):
+        msgs = [{"role": "user", "content": pick(3 + i % 7)}, {"role": "assistant", "content": pick(4 + i % 5)}]
+        ids, mask = render(target.tokenizer, msgs)
+        out.append(ConversationRecord(id=f"conv{i:03d}", workload="chat", source="test", license="none",
+                                      messages=msgs, input_ids=ids, loss_mask=mask,
+                                      template_hash=template_hash(target.tokenizer),
+                                      target_id=target.meta["target_id"]))
+    return out
+
+
+def _write_conv(path: Path, recs, extra_lines=()) -> Path:
+    write_jsonl_atomic(path, recs)
+    with open(path, "a") as f:
+        for line in extra_lines:
+            f.write(line + "\n")
+    return path
+
+
+def test_extract_features_accounting_and_values(tiny_target, tiny_target_dir, tmp_path):
+    recs = _conversations(tiny_target, 9)
+    bad = [recs[0].model_copy(update={"id": "wrongtpl", "template_hash": "x"}),
+           recs[1].model_copy(update={"id": "wrongtgt", "target_id": "other"}),
+           recs[2].model_copy(update={"id": "noresp", "loss_mask": [0] * len(recs[2].input_ids)}),
+           recs[4].model_copy(update={"id": "longprompt", "loss_mask": [0] * 29 + [1]})]
+    conv = _write_conv(tmp_path / "conv.jsonl", recs + bad, ["{not json"])
+    cfg = replace(TINY, max_length=24)  # some conversations exceed it: truncated, counted
+    s = extract_file(tiny_target_dir, conv, tmp_path / "out", cfg, target=tiny_target)
+    assert s["read"] == 14 and s["samples"] == 9 and s["rejected"] == 5
+    assert s["read"] == s["samples"] + s["rejected"]
+    assert s["by_reason"] == {"mismatch:template_hash": 1, "mismatch:target_id": 1,
+                              "bad:no_response": 1, "bad:json": 1, "bad:too_long": 1}
+    n_long = sum(len(r.input_ids) > 24 for r in recs + bad[3:])
+    assert s["truncated"] == n_long > 0
+    assert s["shards"] == 3 and s["shards_written"] == 3  # 4 + 4 + 1 samples
+    rej = list(read_jsonl(tmp_path / "out" / "rejected.jsonl"))
+    assert {r["id"] for r in rej} >= {"wrongtpl", "wrongtgt", "noresp", "longprompt"}
+    header = target_header(tiny_target, cfg)
+    ds = ShardDataset([tmp_path / "out"], expect=header)
+    assert len(ds) == 9 and [ds[i]["id"] for i in range(9)] == [r.id for r in recs]
+    for i in (0, 5, 8):
+        ids = recs[i].input_ids[:24]
+        ref = forward_capture(tiny_target.model, torch.tensor([ids]), tiny_target.layer_ids)
+        got = ds[i]
+        assert got["input_ids"].tolist() == ids and got["loss_mask"].tolist() == recs[i].loss_mask[:24]
+        assert torch.equal(got["aux_hidden"], ref.aux_hidden[0].bfloat16())
+        assert torch.equal(got["last_hidden"], ref.last_hidden[0].bfloat16())
+    assert s["bytes_per_token"] > s["budget_bytes_per_token"] == 8 * 64
+
+
+def test_padded_batches_match_one_at_a_time(tiny_target, tiny_target_dir, tmp_path):
+    conv = _write_conv(tmp_path / "conv.jsonl", _conversations(tiny_target, 6))
+    extract_file(tiny_target_dir, conv, tmp_path / "a", TINY, target=tiny_target)
+    extract_file(tiny_target_dir, conv, tmp_path / "b", replace(TINY, batch_tokens=512), target=tiny_target)
+    a, b = ShardDataset([tmp_path / "a"]), ShardDataset([tmp_path / "b"])
+    for i in range(len(a)):
+        assert torch.equal(a[i]["input_ids"], b[i]["input_ids"])
+        torch.testing.assert_close(a[i]["aux_hidden"].float(), b[i]["aux_hidden"].float(), atol=2e-2, rtol=1e-2)
+
+
+def _mtimes(d: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in sorted(d.glob("shard-*.safetensors"))}
+
+
+def test_rerun_skips_verified_shards_and_recomputes_corrupt(tiny_target, tiny_target_dir, tmp_path):
+    conv = _write_conv(tmp_path / "conv.jsonl", _conversations(tiny_target, 10))
+    out = tmp_path / "out"
+    first = extract_file(tiny_target_dir, conv, out, TINY, target=tiny_target)
+    before, shas = _mtimes(out), read_manifest(out)["sha256"].to_list()
+    again = extract_file(tiny_target_dir, conv, out, TINY, target=tiny_target)
+    assert again["shards_written"] == 0 and again["shards_skipped"] == first["shards"] == 3
+    assert _mtimes(out) == before
+    _flip_byte(out / shard_name(1))
+    third = extract_file(tiny_target_dir, conv, out, TINY, target=tiny_target)
+    assert third["shards_written"] == 1 and third["shards_skipped"] == 2
+    assert read_manifest(out)["sha256"].to_list() == shas  # recomputed bit-identically
+    assert verify_shards(out)["bad"] == []
+    (out / shard_name(2)).unlink()
+    assert extract_file(tiny_target_dir, conv, out, TINY, target=tiny_target)["shards_written"] == 1
+
+
+def test_storage_mirror_and_resume_from_storage(tiny_target, tiny_target_dir, tmp_path):
+    conv = _write_conv(tmp_path / "conv.jsonl", _conversations(tiny_target, 7))
+    store = LocalStorage(tmp_path / "bucket")
+    s = extract_file(tiny_target_dir, conv, tmp_path / "scratch1", TINY, storage=store,
+                     prefix="features/chat", target=tiny_target)
+    keys = store.list("features/chat")
+    assert "features/chat/manifest.parquet" in keys and "features/chat/shard-00001.safetensors" in keys
+    assert s["manifest"] == store.uri("features/chat/manifest.parquet")
+    ds = ShardDataset.from_storage(store, "features/chat", tmp_path / "cache",
+                                   expect=target_header(tiny_target, TINY))
+    assert len(ds) == 7 and ds[6]["id"] == "conv006"
+    # a fresh scratch dir: what is stored is downloaded, verified and kept, nothing recomputed
+    again = extract_file(tiny_target_dir, conv, tmp_path / "scratch2", TINY, storage=store,
+                         prefix="features/chat", target=tiny_target)
+    assert again["shards_written"] == 0 and again["shards_skipped"] == 2
+    _flip_byte(store.path("features/chat/shard-00000.safetensors"))
+    third = extract_file(tiny_target_dir, conv, tmp_path / "scratch3", TINY, storage=store,
+                         prefix="features/chat", target=tiny_target)
+    assert third["shards_written"] == 1
+    with pytest.raises(ShardError, match="shard-00000"):  # the stale cached copy is never trusted
+        _flip_byte(tmp_path / "cache" / shard_name(0))
+        ShardDataset([tmp_path / "cache"])
+    assert len(ShardDataset.from_storage(store, "features/chat", tmp_path / "cache")) == 7
+
+
+def _extract_cmd(target_dir, conv, out) -> list[str]:
+    return [sys.executable, "-m", "eagle3_platform.cli", "extract", "--target", str(target_dir),
+            "--in", str(conv), "--out", str(out), "--preset", "tiny", "--samples-per-shard", "1"]
+
+
+def _env() -> dict:
+    # same thread count in every run so the kernels (and thus the bytes) are reproducible
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+
+
+@pytest.mark.integration
+def test_resume_after_sigkill_matches_uninterrupted_run(tiny_target, tiny_target_dir, tmp_path):
+    n = 24
+    conv = _write_conv(tmp_path / "conv.jsonl", _conversations(tiny_target, n))
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(_extract_cmd(tiny_target_dir, conv, killed), env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not (killed / MANIFEST_NAME).exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "extraction finished before it could be killed"
+    listed = read_manifest(killed)["shard"].to_list()
+    assert 1 <= len(listed) < n
+    done_before = {k: v for k, v in _mtimes(killed).items() if k in listed}
+
+    resumed = subprocess.run(_extract_cmd(tiny_target_dir, conv, killed), env=_env(),
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    summary = json.loads(resumed.stdout.strip().splitlines()[-1])
+    assert summary["shards"] == n and summary["shards_skipped"] >= len(listed)
+    assert summary["shards_written"] == n - summary["shards_skipped"]
+    after = _mtimes(killed)
+    assert all(after[k] == v for k, v in done_before.items())  # finished shards not recomputed
+
+    clean = tmp_path / "clean"
+    subprocess.run(_extract_cmd(tiny_target_dir, conv, clean), env=_env(), check=True,
+                   capture_output=True, timeout=300)
+    a, b = read_manifest(killed).drop("uri"), read_manifest(clean).drop("uri")
+    assert a.equals(b)  # same shards, same sha256, same sizes, same ids
+    for name in a["shard"]:
+        assert (killed / name).read_bytes() == (clean / name).read_bytes()
+    assert not list(killed.glob("*.tmp"))
+
+
+MANIFEST_NAME = sh.MANIFEST

@@ -81,7 +81,7 @@ def load_records(conv_path: str | Path, header: dict, max_length: int) -> tuple[
             continue
         stats["read"] += 1
         rec, reason = _parse(line, header)
-        if rec is not None and len(rec.input_ids) > max_length:
+        if not reason and len(rec.input_ids) > max_length:
             stats["truncated"] += 1
             rec.input_ids, rec.loss_mask = rec.input_ids[:max_length], rec.loss_mask[:max_length]
             if not any(rec.loss_mask):

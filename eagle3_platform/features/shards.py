@@ -21,7 +21,6 @@ from typing import Any, Sequence
 import polars as pl
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from eagle3_platform.records import sha256_file
 
@@ -98,12 +97,42 @@ def write_shard(path: str | Path, samples: list[dict], metadata: dict) -> dict:
     header[IDS_KEY] = json.dumps(ids)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=header)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
+    _save_deterministic(tensors, tmp, header)
     os.replace(tmp, path)
     return {"shard": path.name, "samples": len(samples), "tokens": int(tensors["offsets"][-1]),
             "sha256": sha256_file(path), "bytes": path.stat().st_size, "ids": ids}
+
+
+_ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
+              torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8"}
+
+
+def _save_deterministic(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """Write a standard safetensors file whose bytes depend only on its content.
+
+    safetensors' own writer emits the metadata in hash-map order, so the same shard written twice
+    would get a different sha256 and a resumed run could never be byte-identical to an uninterrupted
+    one. Layout (the safetensors spec): u64 little-endian header size, JSON header padded with spaces
+    to 8 bytes, then the tensors' little-endian bytes back to back.
+    """
+    assert sys.byteorder == "little", "safetensors stores little-endian data"
+    names = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))  # keeps every tensor aligned
+    entries, start = {}, 0
+    for k in names:
+        n = tensors[k].numel() * tensors[k].element_size()
+        entries[k] = {"dtype": _ST_DTYPES[tensors[k].dtype], "shape": list(tensors[k].shape),
+                      "data_offsets": [start, start + n]}
+        start += n
+    head = json.dumps({"__metadata__": dict(sorted(metadata.items())), **entries},
+                      separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as f:
+        f.write(len(head).to_bytes(8, "little"))
+        f.write(head)
+        for k in names:  # [numel] -> raw bytes, no copy beyond contiguity
+            f.write(tensors[k].contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def write_manifest(directory: str | Path, rows: list[dict]) -> Path:
