@@ -1,5 +1,6 @@
 """`draft_vocab` (top-Vd response tokens → d2t/t2d) and `draft_head` (EAGLE-3 TTT training from the
-feature shards of every available workload, then the SGLang-format export)."""
+feature shards of every available workload, scored on held-out features, then the SGLang export)."""
+import hashlib
 
 from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
 
@@ -7,6 +8,8 @@ from assets.features import feature_shards
 from assets.metadata import summary_metadata
 from assets.partitions import Keys, workload_partitions
 from resources import ComputeResource, PresetResource, StorageResource, TargetResource
+
+VOCAB_FILE = "vocab.safetensors"
 
 
 def available_workloads(storage: StorageResource, split: str = "train") -> list[str]:
@@ -19,24 +22,45 @@ def fetch_features(storage: StorageResource, split: str) -> list:
     return [storage.fetch_dir(Keys.features(w, split)) for w in available_workloads(storage, split)]
 
 
+def inputs_hash(*paths, extra: str = "") -> str:
+    """Identity of a training input set: the manifests (they hold every shard's sha256) + extras."""
+    h = hashlib.sha256(extra.encode())
+    for p in paths:
+        h.update(p.read_bytes() if p.is_file() else (p / "manifest.parquet").read_bytes())
+    return h.hexdigest()
+
+
+def expect_header(target: TargetResource) -> dict:
+    m = target.meta()
+    return {"target_id": m["target_id"], "weights_hash": m["weights_hash"],
+            "capture_layer_ids": m["capture_layer_ids"]}
+
+
 @asset(deps=[feature_shards], group_name="draft", kinds={"pytorch", "safetensors"}, code_version="1")
 def draft_vocab(context: AssetExecutionContext, storage: StorageResource, target: TargetResource,
                 preset: PresetResource, compute: ComputeResource) -> MaterializeResult:
     """The Vd most frequent loss-masked response tokens over all workloads (d2t/t2d)."""
-    from eagle3_platform.draft.vocab import build_vocab_from_features
+    from eagle3_platform.draft.vocab import save_vocab, vocab_from_features
 
     dirs = fetch_features(storage, "train")
     if not dirs:
         raise FileNotFoundError("no feature shards in storage: materialize feature_shards first")
-    out = storage.staging(Keys.VOCAB, context.run_id)
-    cfg = preset.area("train")
-    summary = compute.run(context, lambda: build_vocab_from_features(dirs, out, cfg),
-                          ["vocab", "--features", ",".join(map(str, dirs)), "--out", str(out),
-                           "--preset", preset.name])
-    uri = storage.publish_from(out, Keys.VOCAB)
+    V = target.meta()["vocab_size"]
+    vd = min(preset.area("train").draft_vocab_size, V)
+    out = storage.staging(Keys.VOCAB, context.run_id) / VOCAB_FILE
+
+    def build() -> dict:
+        d2t, t2d, stats = vocab_from_features(dirs, V, vd, expect_header(target))
+        return save_vocab(out, d2t, t2d, stats)
+
+    summary = compute.run(context, build, ["vocab", "--features", ",".join(map(str, dirs)), "--target",
+                                           str(target.dir()), "--out", str(out),
+                                           "--draft-vocab-size", str(vd)])
+    uri = storage.publish_from(out.parent, Keys.VOCAB)
     return MaterializeResult(metadata={
         "workloads": ", ".join(available_workloads(storage)), "vocab_uri": MetadataValue.path(uri),
-        **target.lineage(), **summary_metadata(summary)})
+        "draft_vocab_size": vd, "target_vocab_size": V, **target.lineage(),
+        **summary_metadata({k: v for k, v in summary.items() if k not in ("vocab", "stats")})})
 
 
 @asset(deps=[draft_vocab, feature_shards], group_name="draft", kinds={"pytorch", "safetensors"},
@@ -48,32 +72,40 @@ def draft_head(context: AssetExecutionContext, storage: StorageResource, target:
     from eagle3_platform.draft.train import train
 
     dirs, eval_dirs = fetch_features(storage, "train"), fetch_features(storage, "eval")
-    vocab = storage.fetch_dir(Keys.VOCAB)
+    vocab = storage.fetch(f"{Keys.VOCAB}/{VOCAB_FILE}")
     tdir, cfg = target.dir(), preset.area("train")
-    ckpt = storage.staging(Keys.DRAFT, context.run_id)
+    # Same inputs + preset → same staging dir, so a killed training resumes from its checkpoint.
+    ckpt = storage.staging(Keys.DRAFT, inputs_hash(vocab, *dirs, *eval_dirs, extra=preset.name))
     summary = compute.run(
-        context, lambda: train(tdir, dirs, ckpt, cfg, eval_dirs=eval_dirs, vocab_dir=vocab),
+        context, lambda: train(tdir, dirs, ckpt, cfg, resume=True, eval_dirs=eval_dirs, vocab_path=vocab),
         ["train", "--target", str(tdir), "--features", ",".join(map(str, dirs)), "--out", str(ckpt),
          "--preset", preset.name, "--eval-features", ",".join(map(str, eval_dirs)),
-         "--vocab", str(vocab)])
+         "--vocab", str(vocab), "--resume"])
     exp = storage.staging(Keys.EXPORT, context.run_id)
     exported = compute.run(context, lambda: export_draft(ckpt, exp),
                            ["export", "--draft", str(ckpt), "--out", str(exp)])
     export_uri = storage.publish_from(exp, Keys.EXPORT)
     ckpt_uri = storage.publish_from(ckpt, Keys.DRAFT)
+    heldout = summary.get("eval_simulated_acceptance")  # absent when no eval split has features
     return MaterializeResult(metadata={
-        "heldout_simulated_acceptance": float(heldout_acceptance(summary)),
-        "workloads": ", ".join(available_workloads(storage)), **target.lineage(),
+        **({"heldout_simulated_acceptance": float(heldout)} if heldout is not None else {}),
+        "train_simulated_acceptance": float(summary.get("train_simulated_acceptance", 0.0)),
+        "heldout_acc_k": MetadataValue.json((summary.get("eval") or {}).get("acc", [])),
+        "workloads": ", ".join(available_workloads(storage)),
+        "eval_workloads": ", ".join(available_workloads(storage, "eval")), **target.lineage(),
         "export_uri": MetadataValue.path(export_uri), "checkpoint_uri": MetadataValue.path(ckpt_uri),
-        **summary_metadata(summary), **summary_metadata(exported, prefix="export_")})
+        "loss_curve": MetadataValue.md(loss_table(summary.get("history") or [])),
+        **summary_metadata({k: v for k, v in summary.items()
+                            if k in ("steps", "train_tokens", "train_tokens_per_s", "resumed_from")}),
+        **summary_metadata({k: v for k, v in exported.items() if k != "export_dir"}, prefix="export_")})
 
 
-def heldout_acceptance(summary: dict) -> float:
-    """Simulated acceptance on held-out features, from the training summary."""
-    for k in ("eval_simulated_acceptance", "heldout_simulated_acceptance"):
-        if k in summary:
-            return summary[k]
-    ev = summary.get("eval") or {}
-    if "simulated_acceptance" in ev:
-        return ev["simulated_acceptance"]
-    raise KeyError(f"training summary has no held-out simulated acceptance: {sorted(summary)}")
+def loss_table(history: list[dict], rows: int = 12) -> str:
+    """A compact markdown table of the logged training curve (every n-th entry)."""
+    if not history:
+        return "(no history)"
+    step = max(1, len(history) // rows)
+    lines = ["| step | loss | acc_0 | sim. acceptance |", "|---|---|---|---|"]
+    for h in history[::step] + ([history[-1]] if (len(history) - 1) % step else []):
+        lines.append(f"| {h['step']} | {h['loss']:.3f} | {h['acc'][0]:.3f} | {h['simulated_acceptance']:.3f} |")
+    return "\n".join(lines)

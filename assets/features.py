@@ -11,8 +11,11 @@ from resources import ComputeResource, PresetResource, StorageResource, TargetRe
 from resources.preset import with_overrides
 
 
+LOCAL_KEYS = ("uri", "out", "manifest", "header")  # staging paths / header reported separately
+
+
 def features_config(preset: PresetResource, target: TargetResource):
-    return with_overrides(preset.area("features"), max_length=target.max_length, dtype=None)
+    return with_overrides(preset.area("features"), max_length=target.max_length)
 
 
 def _extract_split(context, w: str, split: str, storage, target, preset, compute) -> dict:
@@ -21,10 +24,11 @@ def _extract_split(context, w: str, split: str, storage, target, preset, compute
 
     conv = storage.fetch(Keys.conversations(w, split))
     tdir = target.dir()
-    out = storage.staging(Keys.features(w, split), sha256_file(conv))  # resumable per input
+    out = storage.staging(Keys.features(w, split), sha256_file(conv) + preset.name)  # resumable per input
     cfg = features_config(preset, target)
     summary = compute.run(context, lambda: extract_file(tdir, conv, out, cfg),
-                          ["extract", "--target", str(tdir), "--in", str(conv), "--out", str(out)])
+                          ["extract", "--target", str(tdir), "--in", str(conv), "--out", str(out),
+                           "--preset", preset.name, "--max-length", str(cfg.max_length)])
     summary["uri"] = storage.publish_from(out, Keys.features(w, split))
     return summary
 
@@ -53,10 +57,13 @@ def feature_shards(context: AssetExecutionContext, storage: StorageResource, tar
     """Feature shards + manifest for both splits (the eval split scores the head on held-out data)."""
     w = context.partition_key
     res = {s: _extract_split(context, w, s, storage, target, preset, compute) for s in SPLITS}
+    header = res["train"].get("header") or {}
     meta = {"workload": w, "preset": preset.name, **target.lineage(),
+            **{k: str(header[k]) for k in ("template_hash", "tokenizer_hash", "dtype", "max_length")
+               if k in header},
             "features_uri": MetadataValue.path(res["train"]["uri"]),
             "eval_features_uri": MetadataValue.path(res["eval"]["uri"])}
     for s in SPLITS:
-        meta.update(summary_metadata({k: v for k, v in res[s].items() if k != "uri"},
+        meta.update(summary_metadata({k: v for k, v in res[s].items() if k not in LOCAL_KEYS},
                                      prefix="" if s == "train" else "eval_"))
     return MaterializeResult(metadata=meta, check_results=[verify_stored(storage, target, w)])

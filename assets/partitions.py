@@ -38,6 +38,10 @@ class Keys:
         return f"{workload}/target_responses/{split}/conversations.jsonl"
 
     @staticmethod
+    def responses_rejected(workload: str, split: str = "train") -> str:
+        return f"{workload}/target_responses/{split}/rejected.jsonl"
+
+    @staticmethod
     def features(workload: str, split: str = "train") -> str:
         return f"{workload}/features/{split}"
 

@@ -8,46 +8,40 @@ from assets.metadata import md_table
 from assets.partitions import SPLITS, Keys, workload_partitions
 from assets.sources import workload_sources
 from resources import ComputeResource, PresetResource, StorageResource, TargetResource
-from resources.preset import cfg_get
+from assets.responses_config import regen_config
 
-
-def _limit(cfg, split: str, workload: str):
-    """The preset's record limit for a split (an int, or a per-workload dict)."""
-    v = cfg_get(cfg, "eval_limit" if split == "eval" else "limit")
-    return v.get(workload) if isinstance(v, dict) else v
+POLICY = "drop"  # PII policy for training data: drop the record (redact keeps a [REDACTED] prompt)
 
 
 def _filter_split(context, w: str, split: str, storage, target, preset, compute) -> dict:
     from eagle3_platform.data.filter import filter_file
+    from eagle3_platform.data.regenerate import load_tokenizer
     from eagle3_platform.data.sources import eval_keys, write_workload
 
-    src_cfg, flt_cfg = preset.area("sources"), preset.area("filter")
-    limit, seed = _limit(src_cfg, split, w), cfg_get(src_cfg, "seed", 0)
-    policy, max_tokens = cfg_get(flt_cfg, "policy", "drop"), cfg_get(flt_cfg, "max_tokens")
+    src_cfg, flt_cfg, regen = preset.area("sources"), preset.area("filter"), regen_config(preset, target)
+    limit = src_cfg.limit if split == "train" else src_cfg.eval_limit
+    max_tokens = regen.max_length - regen.max_new_tokens  # room left for the answer (as `eagle3 filter`)
     stage = storage.staging(Keys.kept(w, split), context.run_id)
     raw, kept, rej = stage / "raw.jsonl", stage / "kept.jsonl", stage / "rejected.jsonl"
-    src_args = ["sources", "--workload", w, "--split", split, "--out", str(raw)]
-    src_args += ["--limit", str(limit)] if limit else []
-    compute.run(context, lambda: write_workload(w, raw, split=split, limit=limit, seed=seed), src_args)
-    tokenizer = _tokenizer(target) if max_tokens else None
+    tdir = target.dir()
+    compute.run(context, lambda: write_workload(w, raw, split=split, limit=limit, cfg=src_cfg),
+                ["sources", "--workload", w, "--split", split, "--out", str(raw)]
+                + (["--limit", str(limit)] if limit is not None else []))
+    # The eval table is filtered for PII too, but never decontaminated against itself.
     keys = eval_keys() if split == "train" else None
     summary = compute.run(
         context,
-        lambda: filter_file(raw, kept, rej, policy=policy, max_tokens=max_tokens, tokenizer=tokenizer,
-                            eval_keys=keys),
-        ["filter", "--in", str(raw), "--out", str(kept), "--rejected", str(rej), "--policy", policy])
+        lambda: filter_file(raw, kept, rej, policy=POLICY, max_tokens=max_tokens,
+                            tokenizer=load_tokenizer(tdir), eval_keys=keys, cfg=flt_cfg),
+        ["filter", "--in", str(raw), "--out", str(kept), "--rejected", str(rej), "--policy", POLICY,
+         "--target", str(tdir), "--max-tokens", str(max_tokens)]
+        + (["--no-decontaminate"] if keys is None else []))
     raw.unlink(missing_ok=True)  # raw source text may hold PII: never stored
-    if summary.get("kept", 0) + summary.get("rejected", 0) != summary.get("read", -1):
+    if summary["kept"] + summary["rejected"] != summary["read"]:
         raise RuntimeError(f"{w}/{split}: kept + rejected != read: {summary}")
     summary["kept_uri"] = storage.publish_from(kept, Keys.kept(w, split))
     summary["rejected_uri"] = storage.publish_from(rej, Keys.rejected(w, split))
     return summary
-
-
-def _tokenizer(target):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(target.dir())
 
 
 @asset(partitions_def=workload_partitions, deps=[workload_sources], group_name="data",

@@ -7,11 +7,9 @@ from assets.metadata import summary_metadata
 from assets.partitions import SPLITS, Keys, workload_partitions
 from assets.prompts import filtered_prompts
 from resources import ComputeResource, PresetResource, StorageResource, TargetResource
-from resources.preset import with_overrides
+from assets.responses_config import regen_config
 
-
-def regen_config(preset: PresetResource, target: TargetResource):
-    return with_overrides(preset.area("regen"), max_length=target.max_length)
+LOCAL_PATHS = ("uri", "out", "rejected_path")  # staging paths: gone after publishing, URIs reported instead
 
 
 def _regen_split(context, w: str, split: str, storage, target, preset, compute) -> dict:
@@ -22,13 +20,19 @@ def _regen_split(context, w: str, split: str, storage, target, preset, compute) 
     tdir = target.dir()
     # Staging is keyed by the input's hash: a killed run resumes from its appended output; a changed
     # input starts fresh.
-    out = storage.staging(Keys.conversations(w, split), sha256_file(kept)) / "conversations.jsonl"
+    stage = storage.staging(Keys.conversations(w, split), sha256_file(kept) + preset.name)
+    out, rej = stage / "conversations.jsonl", stage / "rejected.jsonl"
     cfg = regen_config(preset, target)
-    args = ["regenerate", "--target", str(tdir), "--in", str(kept), "--out", str(out)]
+    args = ["regenerate", "--target", str(tdir), "--in", str(kept), "--out", str(out), "--rejected",
+            str(rej), "--preset", preset.name, "--max-length", str(cfg.max_length)]
     args += ["--endpoint", target.endpoint] if target.endpoint else []
-    summary = compute.run(context, lambda: regenerate_file(tdir, kept, out, cfg, endpoint=target.endpoint),
-                          args)
+    summary = compute.run(
+        context, lambda: regenerate_file(tdir, kept, out, cfg, endpoint=target.endpoint, rejected_path=rej),
+        args)
+    if summary["written"] + summary["rejected"] != summary["read"]:
+        raise RuntimeError(f"{w}/{split}: written + rejected != read: {summary}")
     summary["uri"] = storage.publish_from(out, Keys.conversations(w, split))
+    summary["rejected_uri"] = storage.publish_from(rej, Keys.responses_rejected(w, split))
     return summary
 
 
@@ -40,9 +44,10 @@ def target_responses(context: AssetExecutionContext, storage: StorageResource, t
     w = context.partition_key
     res = {s: _regen_split(context, w, s, storage, target, preset, compute) for s in SPLITS}
     meta = {"workload": w, "preset": preset.name, **target.lineage(),
+            "template_hash": res["train"].get("template_hash", ""),
             "conversations_uri": MetadataValue.path(res["train"]["uri"]),
             "eval_conversations_uri": MetadataValue.path(res["eval"]["uri"])}
     for s in SPLITS:
-        meta.update(summary_metadata({k: v for k, v in res[s].items() if k != "uri"},
+        meta.update(summary_metadata({k: v for k, v in res[s].items() if k not in LOCAL_PATHS},
                                      prefix="" if s == "train" else "eval_"))
     return MaterializeResult(metadata=meta)
