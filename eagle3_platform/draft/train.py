@@ -225,8 +225,6 @@ def train(target_dir, feature_dirs, out_dir, cfg: TrainConfig, resume: bool = Fa
     metrics.json, vocab.safetensors}; returns the summary (also metrics.json)."""
     from tqdm import tqdm
 
-    from eagle3_platform.features.shards import ShardDataset
-
     target_dir, out_dir = Path(target_dir), Path(out_dir)
     feature_dirs = [str(d) for d in feature_dirs]
     if not feature_dirs:
@@ -320,18 +318,26 @@ def _cfg_dict(cfg: TrainConfig) -> dict:
     return d
 
 
+def _atomic(path: Path, write) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def save_draft_dir(out_dir, draft: Eagle3Draft, meta: dict | None = None) -> Path:
+    """draft.safetensors (head weights + d2t/t2d) + draft_config.json ({"draft": DraftConfig, ...meta})."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _atomic(out_dir / DRAFT_WEIGHTS, lambda p: save_file(draft.head_state_dict(), str(p)))
+    full = {"draft": draft.cfg.to_dict(), **(meta or {})}
+    _atomic(out_dir / DRAFT_CONFIG, lambda p: p.write_text(json.dumps(full, indent=2)))
+    return out_dir
+
+
 def _write_outputs(out_dir: Path, draft: Eagle3Draft, cfg: TrainConfig, expect: dict, feature_dirs,
                    summary: dict) -> None:
-    def atomic(path: Path, write) -> None:
-        tmp = path.with_name(path.name + ".tmp")
-        write(tmp)
-        os.replace(tmp, path)
-
-    atomic(out_dir / DRAFT_WEIGHTS, lambda p: save_file(draft.head_state_dict(), str(p)))
-    meta = {"draft": draft.cfg.to_dict(), "target": expect, "train": _cfg_dict(cfg),
-            "feature_dirs": feature_dirs}
-    atomic(out_dir / DRAFT_CONFIG, lambda p: p.write_text(json.dumps(meta, indent=2)))
-    atomic(out_dir / METRICS, lambda p: p.write_text(json.dumps(summary, indent=2)))
+    save_draft_dir(out_dir, draft, {"target": expect, "train": _cfg_dict(cfg), "feature_dirs": feature_dirs})
+    _atomic(out_dir / METRICS, lambda p: p.write_text(json.dumps(summary, indent=2)))
 
 
 def load_draft_dir(draft_dir, target_dir) -> Eagle3Draft:

@@ -148,6 +148,16 @@ def ttt_forward(model: Eagle3Draft, aux_hidden: torch.Tensor, input_ids: torch.T
         yield k, model.logits(hidden)
 
 
+def step_terms(k: int, logits: torch.Tensor, teacher_logp: torch.Tensor, mask: torch.Tensor):
+    """Step k: masked soft-label CE [B,T] (fp32) of draft logits [B,T,Vd] against the teacher of position
+    t+1+k, and top-1 hits [B,T] (draft argmax == teacher argmax = the target's top-1)."""
+    tgt = shift_left(teacher_logp, 1 + k)                              # [B,T,Vd] teacher at t+1+k
+    logp = torch.log_softmax(logits.float(), -1)
+    ce = -(tgt.exp() * logp).sum(-1)                                   # [B,T]
+    hit = (logits.argmax(-1) == tgt.argmax(-1)) & mask
+    return torch.where(mask, ce, torch.zeros_like(ce)), hit   # where, not *: no 0·inf on masked rows
+
+
 class TTTLoss(nn.Module):
     """Wraps the draft so DDP sees one forward: returns (loss, stats) for a batch.
 
@@ -163,14 +173,10 @@ class TTTLoss(nn.Module):
         loss = aux_hidden.new_zeros((), dtype=torch.float32)
         correct, counted = [], []
         for k, logits in ttt_forward(self.draft, aux_hidden, input_ids, self.K):
-            m = masks[k]                                               # [B,T]
-            tgt = shift_left(teacher_logp, 1 + k)                      # [B,T,Vd] = teacher at t+1+k
-            logp = torch.log_softmax(logits.float(), -1)               # fp32 soft-label CE
-            ce = -(tgt.exp() * logp).sum(-1)                           # [B,T]
-            loss = loss + STEP_WEIGHT_DECAY ** k * (ce * m).sum() / denominators[k].clamp(min=1)
-            hit = (logits.argmax(-1) == tgt.argmax(-1)) & m
+            ce, hit = step_terms(k, logits, teacher_logp, masks[k])
+            loss = loss + STEP_WEIGHT_DECAY ** k * ce.sum() / denominators[k].clamp(min=1)
             correct.append(hit.sum())
-            counted.append(m.sum())
+            counted.append(masks[k].sum())
         return loss * scale, torch.stack(correct), torch.stack(counted)
 
 
@@ -182,4 +188,4 @@ def batch_targets(batch: Batch, target_lm_head: torch.Tensor, draft: Eagle3Draft
 
 
 __all__ = ["Batch", "collate", "teacher", "step_masks", "ttt_attention", "naive_ttt_attention",
-           "ttt_forward", "TTTLoss", "batch_targets", "STEP_WEIGHT_DECAY"]
+           "ttt_forward", "step_terms", "shift_left", "TTTLoss", "batch_targets", "STEP_WEIGHT_DECAY"]

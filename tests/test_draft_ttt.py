@@ -1,0 +1,149 @@
+"""TTT alignment (DESIGN §5) on a hand-made sequence, single-pass attention == naive reference,
+and masking of the loss to response positions."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle3_platform.draft.model import DraftConfig, build_draft, target_hf_config
+from eagle3_platform.draft.ttt import (TTTLoss, batch_targets, collate, naive_ttt_attention, step_masks,
+                                       step_terms, teacher, ttt_attention, ttt_forward)
+
+# hand-made sequence: prompt x0..x3 (loss_mask 0), response x4..x9 (loss_mask 1); r = 4
+T, R = 10, 4
+IDS = torch.tensor([[11, 12, 13, 14, 21, 22, 23, 24, 25, 26]])
+LOSS_MASK = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_target_dir):
+    cfg = DraftConfig.from_target(target_hf_config(tiny_target_dir), 64, [1, 3, 4])
+    torch.manual_seed(0)
+    return build_draft(tiny_target_dir, cfg).eval()
+
+
+@pytest.mark.parametrize("k", range(4))
+def test_supervised_positions_per_step(k):
+    in_vocab = torch.ones(1, T, dtype=torch.bool)
+    in_vocab[0, 6] = False                       # target's top-1 at position 6 not in the draft vocab
+    m = step_masks(LOSS_MASK, in_vocab, 4)[k][0]
+    # position t predicts x_{t+2+k} with teacher z_{t+1+k}
+    want = [t + 2 + k < T and bool(LOSS_MASK[0, t + 2 + k]) and t + 1 + k != 6 for t in range(T)]
+    assert m.tolist() == want
+    if k == 0:
+        # the first draft guess after the target's first response token x_r: t = r-1 reads (g_{r-1}, x_r)
+        # and predicts x_{r+1}. Trained here; SpecForge's unshifted mask (loss_mask[t] = 0) skips it.
+        assert m[R - 1] and not LOSS_MASK[0, R - 1]
+        assert not m[R - 3]                      # would predict x_{r-1}, a prompt token
+
+
+def test_inputs_and_rope_positions_per_step(draft, monkeypatch):
+    seen_ids, seen_pos = [], []
+    embed, rope = draft.embed, draft.rope
+    monkeypatch.setattr(draft, "embed", lambda ids: (seen_ids.append(ids.clone()), embed(ids))[1])
+    monkeypatch.setattr(draft, "rope", lambda x, p: (seen_pos.append(p.clone()), rope(x, p))[1])
+    g = torch.randn(1, T, 3 * draft.cfg.hidden_size)
+    with torch.no_grad():
+        list(ttt_forward(draft, g, IDS, 4))
+    for k in range(4):
+        want = [int(IDS[0, t + 1 + k]) if t + 1 + k < T else 0 for t in range(T)]   # x_{t+1+k}
+        assert seen_ids[k][0].tolist() == want
+        assert seen_pos[k][0].tolist() == [t + k for t in range(T)]              # RoPE position t+k
+
+
+@pytest.mark.parametrize("k", range(4))
+def test_teacher_position_per_step(k):
+    Vd = 16
+    # teacher at position p is peaked on draft token p; draft logits at t peaked on token t+1+k
+    tlogp = torch.log_softmax(20 * torch.eye(Vd)[:T][None], -1)                     # [1,T,Vd]
+    logits = 20 * torch.eye(Vd)[[min(t + 1 + k, Vd - 1) for t in range(T)]][None]
+    mask = torch.ones(1, T, dtype=torch.bool)
+    mask[0, T - 1 - k:] = False                                                     # no teacher there
+    ce, hit = step_terms(k, logits, tlogp, mask)
+    assert hit[0, :T - 1 - k].all() and ce[0, :T - 1 - k].max() < 1e-3
+    ce_wrong, hit_wrong = step_terms(k + 1, logits, tlogp, mask)                    # off by one
+    assert not hit_wrong[0, :T - 2 - k].any() and ce_wrong[0, :T - 2 - k].min() > 1
+
+
+def test_teacher_is_target_distribution_renormalised_over_draft_vocab():
+    torch.manual_seed(0)
+    W, s = torch.randn(30, 8), torch.randn(1, 5, 8)
+    d2t_ids = torch.tensor([1, 4, 7, 20])
+    logp, ok = teacher(s, W, d2t_ids)
+    full = torch.softmax(s @ W.T, -1)[..., d2t_ids]
+    torch.testing.assert_close(logp.exp(), full / full.sum(-1, keepdim=True))
+    assert ok.tolist() == torch.isin((s @ W.T).argmax(-1), d2t_ids).tolist()
+
+
+@pytest.mark.parametrize("K", [1, 2, 3, 4])
+def test_single_pass_attention_equals_naive_reference(draft, K):
+    torch.manual_seed(K)
+    B, H = 2, draft.cfg.hidden_size
+    ids, g = torch.randint(0, 400, (B, 11)), torch.randn(B, 11, 3 * H)
+    fast = [lg for _, lg in ttt_forward(draft, g, ids, K, ttt_attention)]
+    ref = [lg for _, lg in ttt_forward(draft, g, ids, K, naive_ttt_attention)]
+    for a, b in zip(fast, ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # gradients agree too (the backward of the single-pass form is what trains)
+    ga = torch.autograd.grad(sum(x.square().mean() for x in fast), draft.fc.weight)[0]
+    gb = torch.autograd.grad(sum(x.square().mean() for x in ref), draft.fc.weight)[0]
+    torch.testing.assert_close(ga, gb, atol=1e-5, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def lm_head(tiny_target_dir):
+    from eagle3_platform.draft.model import target_head_weights
+
+    return target_head_weights(tiny_target_dir)["lm_head"]
+
+
+def _loss(draft, lm_head, samples, K=3):
+    batch = collate(samples)
+    tlogp, masks = batch_targets(batch, lm_head, draft, K)
+    denom = torch.stack([m.sum() for m in masks])
+    with torch.no_grad():
+        loss, _, n = TTTLoss(draft, K)(batch.aux_hidden, batch.input_ids, tlogp, masks, denom)
+    return loss, n
+
+
+def _sample(draft, T=16, first_response=6, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    H = draft.cfg.hidden_size
+    mask = torch.zeros(T, dtype=torch.long)
+    mask[first_response:] = 1
+    return {"input_ids": torch.randint(0, 60, (T,), generator=g), "loss_mask": mask,
+            "aux_hidden": torch.randn(T, 3 * H, generator=g), "last_hidden": torch.randn(T, H, generator=g) * 3}
+
+
+def test_loss_ignores_prompt_teacher_values(draft, lm_head):
+    s = _sample(draft)
+    base, n = _loss(draft, lm_head, [s])
+    assert n.sum() > 0
+    # teacher positions p are used only where the predicted token x_{p+1} is a response token
+    prompt_pred = [p for p in range(15) if s["loss_mask"][p + 1] == 0]
+    s2 = {**s, "last_hidden": s["last_hidden"].clone()}
+    s2["last_hidden"][prompt_pred] = torch.randn(len(prompt_pred), draft.cfg.hidden_size) * 5
+    assert torch.equal(_loss(draft, lm_head, [s2])[0], base)
+    s3 = {**s, "last_hidden": s["last_hidden"].clone()}
+    s3["last_hidden"][10] += 5                        # a response-predicting teacher: loss must move
+    assert not torch.equal(_loss(draft, lm_head, [s3])[0], base)
+
+
+def test_loss_zero_without_response_tokens(draft, lm_head):
+    s = _sample(draft)
+    s["loss_mask"] = torch.zeros_like(s["loss_mask"])
+    loss, n = _loss(draft, lm_head, [s])
+    assert float(loss) == 0.0 and int(n.sum()) == 0
+
+
+def test_right_padding_is_invisible(draft, lm_head):
+    a, b = _sample(draft, T=16), _sample(draft, T=9, first_response=3, seed=4)
+    batch = collate([a, b])
+    alone = collate([b])
+    with torch.no_grad():
+        padded = [lg for _, lg in ttt_forward(draft, batch.aux_hidden, batch.input_ids, 3)]
+        single = [lg for _, lg in ttt_forward(draft, alone.aux_hidden, alone.input_ids, 3)]
+    for k in range(3):   # valid positions of b (whose inputs exist) are unaffected by padding
+        torch.testing.assert_close(padded[k][1, :9 - 1 - k], single[k][0, :9 - 1 - k], atol=1e-5, rtol=1e-5)
+    _, nab = _loss(draft, lm_head, [a, b])
+    assert torch.equal(nab, _loss(draft, lm_head, [a])[1] + _loss(draft, lm_head, [b])[1])
