@@ -1,0 +1,63 @@
+"""Speculative decoding settings, named so they map 1:1 onto SGLang's flags (DESIGN.md §6).
+
+    --speculative-num-steps        = num_steps        (draft depth: draft forwards per verify)
+    --speculative-eagle-topk       = eagle_topk       (children per expanded node; 1 = chain)
+    --speculative-num-draft-tokens = num_draft_tokens (tree size verified per target forward,
+                                                       root = last accepted token included)
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    num_steps: int = 4
+    eagle_topk: int = 1
+    num_draft_tokens: int = 5
+    # Sampling safety: probabilities below this are treated as 0 when renormalising residuals.
+    min_residual_mass: float = 1e-12
+
+    def __post_init__(self):
+        if self.num_steps < 0 or self.eagle_topk < 0 or self.num_draft_tokens < 1:
+            raise ValueError(f"invalid speculative settings: {self}")
+        if self.speculative and (self.num_steps < 1 or self.eagle_topk < 1):
+            raise ValueError("a draft tree needs num_steps >= 1 and eagle_topk >= 1")
+        if self.eagle_topk == 1 and self.num_draft_tokens > self.num_steps + 1:
+            raise ValueError(f"a chain of {self.num_steps} steps holds at most "
+                             f"{self.num_steps + 1} draft tokens, not {self.num_draft_tokens}")
+
+    @property
+    def speculative(self) -> bool:
+        """num_draft_tokens == 1 means only the root is verified: plain decoding."""
+        return self.num_draft_tokens > 1
+
+    def sglang_args(self) -> list[str]:
+        """The equivalent SGLang flags (set all three or none)."""
+        if not self.speculative:
+            return []
+        return ["--speculative-num-steps", str(self.num_steps),
+                "--speculative-eagle-topk", str(self.eagle_topk),
+                "--speculative-num-draft-tokens", str(self.num_draft_tokens)]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+PRESETS: dict[str, SpecConfig] = {
+    # No draft: one token per target forward (the baseline, same code path for stats).
+    "baseline": SpecConfig(num_steps=0, eagle_topk=0, num_draft_tokens=1),
+    # SpecForge/SGLang chain style: topk 1, each step drafts one token; root + depth nodes verified.
+    "chain": SpecConfig(num_steps=4, eagle_topk=1, num_draft_tokens=5),
+    # EAGLE-2 style tree: top-4 per step, depth 4, keep the 11 best nodes by cumulative log-prob
+    # (+ root = 12 tokens; a 12-16 token verify costs ~1.6x a 1-token forward on the 2-core CPU).
+    "tree": SpecConfig(num_steps=4, eagle_topk=4, num_draft_tokens=12),
+    # Tests: small and quick.
+    "tiny": SpecConfig(num_steps=3, eagle_topk=2, num_draft_tokens=6),
+}
+
+
+def get_preset(name: str) -> SpecConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown spec preset {name!r}; choose from {sorted(PRESETS)}")
+    return PRESETS[name]

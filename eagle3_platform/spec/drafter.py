@@ -1,0 +1,147 @@
+"""Tree drafting with an EAGLE-3 head and its own KV cache (DESIGN.md §5, EAGLE-2 style tree).
+
+Draft entries mirror the target's committed tokens: entry t reads (g_t, emb(x_{t+1})) at RoPE position
+t and its output predicts x_{t+2} (the training alignment). Invariant between verify steps: the draft
+holds entries 0..n-1 for the n tokens in the target's KV cache, and `h_last` (entry n-1's output)
+predicts the token after the pending root x_n.
+
+Drafting (num_steps = d, eagle_topk = k):
+  step 1: top-k of the draft's distribution after the root → k depth-1 nodes (the frontier);
+  step s>1: run the frontier as k new entries (each sees the committed prefix + its own ancestors'
+    entries), take top-k children per node (k·k candidates, cumulative log-prob = parent + child),
+    the best k of them become the next frontier;
+  finally keep the best (num_draft_tokens - 1) nodes of the pool by cumulative log-prob. Children never
+  score above their parent and the sort is stable with parents created first, so the kept set is
+  closed under ancestors (a valid tree). With k = 1 this is a chain of d tokens.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from eagle3_platform.spec.config import SpecConfig
+from eagle3_platform.spec.tree import Tree, additive_mask
+
+
+class Drafter(Protocol):
+    """What the engine needs from a proposer (Eagle3 head, or a test oracle)."""
+
+    def prefill(self, aux: torch.Tensor, next_tokens: torch.Tensor) -> None: ...
+    # aux [1,P,3H] target features of tokens 0..P-1; next_tokens [P] = x_1..x_P (shifted by one)
+
+    def propose(self, root: int) -> Tree: ...
+
+    def commit(self, aux: torch.Tensor, next_tokens: torch.Tensor) -> None: ...
+    # aux [1,m+1,3H] features of the root + accepted nodes; next_tokens [m+1] = accepted + bonus
+
+
+class EagleDrafter:
+    def __init__(self, draft, cfg: SpecConfig):
+        self.draft, self.cfg = draft, cfg
+        self.k = self.v = None  # committed draft KV, each [1,n_kv,n,hd]
+        self.h_last = None  # [1,1,H]
+
+    @property
+    def n(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    @torch.no_grad()
+    def prefill(self, aux, next_tokens):
+        self.k = self.v = None
+        self.commit(aux, next_tokens)
+
+    @torch.no_grad()
+    def commit(self, aux, next_tokens):
+        """Append entries n..n+T-1 = (g, emb(next token)), causal over the committed prefix."""
+        d, n, t = self.draft, self.n, aux.shape[1]
+        pos = torch.arange(n, n + t)[None]  # [1,T]
+        past = None if self.k is None else (self.k, self.v)
+        h, (k, v) = d.backbone(d.embed(next_tokens[None]), d.project(aux), pos, None, past)
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        self.h_last = h[:, -1:]  # [1,1,H]
+
+    @torch.no_grad()
+    def propose(self, root: int) -> Tree:
+        pool = _Pool()
+        k = self.cfg.eagle_topk
+        logp = _log_probs(self.draft, self.h_last)[0]  # [1,Vd] -> [Vd]
+        top = logp.topk(k)
+        frontier = pool.add(parents=[-1] * k, draft_ids=top.indices, scores=top.values)
+        hidden = self.h_last.expand(1, k, -1)  # [1,k,H]: every depth-1 node's parent is the root
+        tree_k = tree_v = None
+        for step in range(1, self.cfg.num_steps):
+            h, (nk, nv) = self._run_frontier(pool, frontier, hidden, tree_k, tree_v, step)
+            tree_k = nk if tree_k is None else torch.cat([tree_k, nk], dim=2)
+            tree_v = nv if tree_v is None else torch.cat([tree_v, nv], dim=2)
+            pool.entry_of.update({node: pool.n_entries + i for i, node in enumerate(frontier)})
+            pool.n_entries += len(frontier)
+            frontier, hidden = self._expand(pool, frontier, h, k)
+        return pool.to_tree(root, self.cfg.num_draft_tokens - 1, self.draft)
+
+    def _run_frontier(self, pool, frontier, hidden, tree_k, tree_v, step):
+        """One draft forward over the frontier (depth `step` nodes) as new entries."""
+        d, n = self.draft, self.n
+        ids = d.to_target_ids(pool.draft_ids[frontier])[None]  # [1,F] target ids
+        pos = torch.full((1, len(frontier)), n - 1 + step)  # depth-s node entry sits at n-1+s
+        allowed = torch.zeros(len(frontier), n + pool.n_entries + len(frontier), dtype=torch.bool)
+        allowed[:, :n] = True  # the committed prefix
+        for row, node in enumerate(frontier):
+            for a in pool.ancestors(node):  # earlier tree entries on this node's path
+                allowed[row, n + pool.entry_of[a]] = True
+            allowed[row, n + pool.n_entries + row] = True  # itself
+        past_k = self.k if tree_k is None else torch.cat([self.k, tree_k], dim=2)
+        past_v = self.v if tree_v is None else torch.cat([self.v, tree_v], dim=2)
+        mask = additive_mask(allowed, hidden.dtype)  # [1,1,F,n+E+F]
+        return d.backbone(d.embed(ids), hidden, pos, mask, (past_k, past_v))
+
+    def _expand(self, pool, frontier, h, k):
+        """Top-k children per frontier node; the best k (cumulative) become the next frontier."""
+        logp = _log_probs(self.draft, h)  # [F,Vd]
+        top = logp.topk(k, dim=-1)  # [F,k]
+        parent_rows = torch.arange(len(frontier)).repeat_interleave(k)  # [F*k]
+        scores = (pool.scores[frontier][:, None] + top.values).reshape(-1)  # [F*k]
+        parents = [frontier[r] for r in parent_rows.tolist()]
+        added = pool.add(parents, top.indices.reshape(-1), scores)
+        best = scores.topk(min(k, scores.numel())).indices.sort().values  # keep creation order
+        return [added[i] for i in best.tolist()], h[:, parent_rows[best]]  # hidden [1,k,H]
+
+
+def _log_probs(draft, h):
+    """[1,T,H] -> [T,Vd] fp32 log-probs over the draft vocab."""
+    return torch.log_softmax(draft.logits(h)[0].float(), dim=-1)
+
+
+class _Pool:
+    """All drafted candidates, in creation order (parents before children)."""
+
+    def __init__(self):
+        self.parents: list[int] = []  # pool index of the parent, -1 = root
+        self.draft_ids = torch.empty(0, dtype=torch.long)
+        self.scores = torch.empty(0)
+        self.entry_of: dict[int, int] = {}  # pool node -> index of its draft entry (expanded nodes)
+        self.n_entries = 0
+
+    def add(self, parents, draft_ids, scores) -> list[int]:
+        start = len(self.parents)
+        self.parents += list(parents)
+        self.draft_ids = torch.cat([self.draft_ids, draft_ids.long()])
+        self.scores = torch.cat([self.scores, scores.float()])
+        return list(range(start, len(self.parents)))
+
+    def ancestors(self, node: int) -> list[int]:
+        out, p = [], self.parents[node]
+        while p != -1:
+            out.append(p)
+            p = self.parents[p]
+        return out
+
+    def to_tree(self, root: int, budget: int, draft) -> Tree:
+        """Best `budget` nodes by cumulative log-prob (stable: ancestors win ties) + the root."""
+        order = torch.sort(self.scores, descending=True, stable=True).indices[:budget]
+        keep = sorted(order.tolist())  # creation order: parents precede children
+        index = {node: i + 1 for i, node in enumerate(keep)}  # pool node -> tree node (root = 0)
+        parents = [-1] + [index[self.parents[n]] if self.parents[n] != -1 else 0 for n in keep]
+        tokens = draft.to_target_ids(self.draft_ids[keep]) if keep else torch.empty(0, dtype=torch.long)
+        return Tree(torch.cat([torch.tensor([root]), tokens.long()]), torch.tensor(parents))
