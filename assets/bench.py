@@ -4,6 +4,7 @@ Locust monkey-patches sockets (gevent), so it never runs inside Dagster's proces
 both endpoints, then runs `eagle3 bench` as its own process and publishes the report directory."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -56,23 +57,26 @@ def benchmark_report(context: AssetExecutionContext, storage: StorageResource, t
         try:
             args = bench_args(preset.area("bench"), spec.url, base.url, out / "prompts.jsonl",
                               out / "report")
-            summary = _run_cli(context, args)
+            summary = _run_cli(context, args, serving.api_key)
         finally:
             spec.stop()
     finally:
         base.stop()
-    report_md = (out / "report" / "report.md")
+    report_md = out / "report" / "report.md"
     md = report_md.read_text() if report_md.exists() else "(no report.md)"
     uri = storage.publish_from(out, Keys.BENCH)
     return MaterializeResult(metadata={
-        "report": MetadataValue.md(md), "report_uri": MetadataValue.path(uri),
-        "heldout_prompts": MetadataValue.json(counts), **target.lineage(), **summary_metadata(summary)})
+        "report": MetadataValue.md(md), "report_uri": MetadataValue.path(f"{uri}/report/report.md"),
+        "report_html_uri": MetadataValue.path(f"{uri}/report/report.html"),
+        "heldout_prompts": MetadataValue.json(counts), **target.lineage(),
+        **summary_metadata({k: v for k, v in (summary.get("headline") or {}).items() if v is not None})})
 
 
-def _run_cli(context, args: list[str]) -> dict:
+def _run_cli(context, args: list[str], api_key: str | None = None) -> dict:
     """`eagle3 <args>` in its own process (output streamed to the run log); returns its JSON summary."""
     context.log.info("eagle3 " + " ".join(args))
-    proc = subprocess.Popen([sys.executable, "-m", "eagle3_platform.cli", *args], cwd=PROJECT_ROOT,
+    env = {**os.environ, **({"EAGLE3_API_KEY": api_key} if api_key else {})}  # not on the command line
+    proc = subprocess.Popen([sys.executable, "-m", "eagle3_platform.cli", *args], cwd=PROJECT_ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     last = ""
     for line in proc.stdout:
