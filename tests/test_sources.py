@@ -176,6 +176,7 @@ def test_eval_keys_cover_eval_and_not_train():
     assert {decontam_key(m.content) for m in mt.messages} <= keys
     he_train = [r for r in S.iter_workload("code", limit=40) if r.source == HUMANEVAL_FILE]
     assert he_train and not any(decontam_key(r.messages[0].content) in keys for r in he_train)
+    assert decontam_key("Continue.") not in keys  # short conversational glue is never a key
     assert S.eval_keys() == keys  # cached, same answer
 
 

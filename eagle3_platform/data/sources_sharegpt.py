@@ -139,8 +139,11 @@ def first_turn(messages: list[tuple[str, str]]) -> tuple:
 
 
 def iter_conversations(path: Path | None = None) -> Iterator[tuple[str, Item]]:
-    """Stream (workload, Item) per conversation, in file order. Records without a usable structure or user turn are counted
-    on stderr (never silently): they cannot become prompt records."""
+    """Stream (workload, Item) per conversation, in file order.
+
+    Conversations with no user turn (126 empty, 136 answer-only continuation parts, 12 system-only in
+    the packaged file) or an unreadable structure hold no prompt: they are counted on stderr.
+    """
     path = path or sharegpt_path()
     skipped = 0
     with open(path, "rb") as f:
