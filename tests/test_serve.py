@@ -135,10 +135,13 @@ def test_models_and_health(client):
 def test_server_info_accounting(client):
     before = client.get("/server_info").json()
     assert before["avg_spec_accept_length"] is None and before["spec_verify_steps"] == 0
-    for n in (6, 7):  # fake engine: 3 tokens per verify step → steps 2 and 3
-        client.post(CHAT, json={"messages": MSGS, "max_tokens": n})
+    usages = []
+    for n in (7, 8):  # fake engine: 1 prefill token, then 3 per verify step → steps 2 and 3
+        usages.append(client.post(CHAT, json={"messages": MSGS, "max_tokens": n}).json()["usage"])
+    assert [(u["spec_accepted_tokens"], u["spec_verify_steps"]) for u in usages] == [(6, 2), (7, 3)]
     info = client.get("/server_info").json()
-    assert info["spec_generated_tokens"] == 13 and info["spec_verify_steps"] == 5
+    assert info["generated_tokens"] == 15
+    assert info["spec_accepted_tokens"] == 13 and info["spec_verify_steps"] == 5
     assert info["avg_spec_accept_length"] == pytest.approx(13 / 5)
     assert info["internal_states"][0]["avg_spec_accept_length"] == pytest.approx(13 / 5)
     assert info["requests_total"] == 2 and info["requests_ok"] == 2
@@ -265,7 +268,7 @@ def test_concurrent_clients_all_served(tok):
         [t.join(60) for t in threads]
         info = httpx.get(srv.url + "/server_info").json()
     assert len(results) == n and all(s == 200 for s, _ in results), results
-    assert info["requests_ok"] == n and info["spec_generated_tokens"] == 8 * n
+    assert info["requests_ok"] == n and info["generated_tokens"] == 8 * n
 
 
 def test_queue_bound_gives_503_json(tok):

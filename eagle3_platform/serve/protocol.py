@@ -101,11 +101,13 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, verify_steps: int) -> dict:
-    # spec_verify_steps is an extension (OpenAI clients ignore unknown keys): it lets a benchmark
-    # compute τ per request / per workload; τ = completion_tokens / spec_verify_steps.
+def usage(prompt_tokens: int, completion_tokens: int, verify_steps: int, accepted: int) -> dict:
+    # spec_* are extensions (OpenAI clients ignore unknown keys) that let a benchmark compute τ per
+    # request / per workload: τ = spec_accepted_tokens / spec_verify_steps (the first token comes
+    # from the prefill and is not part of any verify step).
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens, "spec_verify_steps": verify_steps}
+            "total_tokens": prompt_tokens + completion_tokens, "spec_verify_steps": verify_steps,
+            "spec_accepted_tokens": accepted}
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict, finish: str | None) -> dict:

@@ -158,11 +158,12 @@ class Service:
                 yield ("text", tail)
         finally:
             job.cancelled.set()  # client gone or done: either way the worker may stop
-        finish = "stop" if ts.stopped or n_out < job.max_new_tokens else "length"
-        steps = int(info.get("verify_steps", 0))
+        finish = "stop" if ts.stopped else (info.get("finish_reason") or
+                                             ("stop" if n_out < job.max_new_tokens else "length"))
+        steps, accepted = int(info.get("verify_steps", 0)), int(info.get("accepted_tokens", 0))
         log.info("request %d: prompt_tokens=%d completion_tokens=%d verify_steps=%d finish=%s "
                  "%.2fs", job.id, n_prompt, n_out, steps, finish, info.get("seconds", 0.0))
-        yield ("end", finish, P.usage(n_prompt, n_out, steps))
+        yield ("end", finish, P.usage(n_prompt, n_out, steps, accepted))
 
     # -- handlers --------------------------------------------------------------------------------
     async def chat(self, request: Request):
@@ -262,7 +263,7 @@ class Service:
 
     def server_info_dict(self) -> dict:
         t = self.worker.totals
-        tau = t.generated_tokens / t.verify_steps if t.verify_steps else None
+        tau = t.accepted_tokens / t.verify_steps if t.verify_steps else None
         return {
             **self.info,
             "model": self.model_name,
@@ -272,7 +273,8 @@ class Service:
             # SGLang's key (older top-level form and newer internal_states form).
             "avg_spec_accept_length": tau,
             "internal_states": [{"avg_spec_accept_length": tau}],
-            "spec_generated_tokens": t.generated_tokens,
+            "generated_tokens": t.generated_tokens,
+            "spec_accepted_tokens": t.accepted_tokens,
             "spec_verify_steps": t.verify_steps,
             **self.counts,
             "requests_completed": t.requests_completed,

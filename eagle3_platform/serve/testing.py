@@ -14,7 +14,8 @@ from typing import Iterator, Sequence
 
 
 class FakeEngine:
-    """Echo-ish engine: emits text token ids cycling through `vocab_ids`, `chunk` ids per verify."""
+    """Emits text token ids cycling through `vocab_ids`: one from the "prefill", then `chunk` ids
+    per "verify step" (SpecEngine's accounting: τ = (generated - 1) / verify_steps)."""
 
     def __init__(self, vocab_ids: Sequence[int], eos_id: int | None = None, chunk: int = 2,
                  delay_s: float = 0.0, fail_after: int | None = None):
@@ -32,18 +33,19 @@ class FakeEngine:
                            "temperature": temperature, "stop": tuple(stop), "seed": seed})
         rng = random.Random(seed if seed is not None else sum(input_ids))
         start = rng.randrange(len(self.vocab_ids)) if temperature > 0 else len(input_ids)
-        produced, steps = 0, 0
+        produced, steps = 0, -1  # the first chunk is the prefill's token
         while produced < max_new_tokens:
             if self.fail_after is not None and produced >= self.fail_after:
                 raise RuntimeError("fake engine failure")
-            n = min(self.chunk, max_new_tokens - produced)
+            n = min(self.chunk if produced else 1, max_new_tokens - produced)
             out = [self.vocab_ids[(start + produced + i) % len(self.vocab_ids)] for i in range(n)]
             produced, steps = produced + n, steps + 1
             if self.delay_s:
                 time.sleep(self.delay_s)
             yield out
         self.last_stats = {"generated_tokens": produced, "verify_steps": steps,
-                           "acceptance_length": produced / max(steps, 1), "finish_reason": "length"}
+                           "acceptance_length": (produced - 1) / max(steps, 1),
+                           "finish_reason": "length"}
 
     def generate(self, input_ids, max_new_tokens, temperature=0.0, stop=(), seed=None):
         toks = [t for c in self.stream(input_ids, max_new_tokens, temperature, stop, seed) for t in c]

@@ -32,8 +32,13 @@ class Job:
 
 @dataclass
 class Totals:
-    """Lifetime counters behind /server_info (τ = generated_tokens / verify_steps, SGLang's definition)."""
+    """Lifetime counters behind /server_info.
+
+    τ = accepted_tokens / verify_steps (SGLang's definition, bonus token included). The first output
+    token comes from the prefill, not from a verify step, so it is in generated_tokens only.
+    """
     generated_tokens: int = 0
+    accepted_tokens: int = 0
     verify_steps: int = 0
     requests_completed: int = 0
     requests_cancelled: int = 0
@@ -116,7 +121,7 @@ class EngineWorker:
 
     def _serve(self, job: Job) -> None:
         t0 = time.perf_counter()
-        n_tokens = n_chunks = 0
+        n_tokens = n_chunks = n_first = 0
         if hasattr(self.engine, "last_stats"):
             self.engine.last_stats = {}
         gen = self.engine.stream(job.input_ids, job.max_new_tokens, temperature=job.temperature,
@@ -124,6 +129,7 @@ class EngineWorker:
         try:
             for chunk in gen:
                 chunk = [int(t) for t in chunk]
+                n_first = n_first or len(chunk)
                 n_tokens, n_chunks = n_tokens + len(chunk), n_chunks + 1
                 job.emit(("tokens", chunk))
                 if job.cancelled.is_set():
@@ -135,10 +141,11 @@ class EngineWorker:
             return
         finally:
             gen.close()
-        info = self._stats(n_tokens, n_chunks, finished=not job.cancelled.is_set())
+        info = self._stats(n_tokens, n_chunks, n_first, finished=not job.cancelled.is_set())
         info.update(cancelled=job.cancelled.is_set(), seconds=time.perf_counter() - t0)
         t = self.totals
         t.generated_tokens += info["generated_tokens"]
+        t.accepted_tokens += info["accepted_tokens"]
         t.verify_steps += info["verify_steps"]
         if info["cancelled"]:
             t.requests_cancelled += 1
@@ -146,11 +153,13 @@ class EngineWorker:
             t.requests_completed += 1
         job.emit(("done", info))
 
-    def _stats(self, n_tokens: int, n_chunks: int, finished: bool) -> dict:
-        """Prefer the engine's own accounting; fall back to what we counted (one chunk per verify)."""
+    def _stats(self, n_tokens: int, n_chunks: int, n_first: int, finished: bool) -> dict:
+        """Prefer the engine's accounting (SpecEngine: first token from the prefill, then one chunk
+        per verify step); for an interrupted stream fall back to what was counted here."""
         stats = getattr(self.engine, "last_stats", None) or {}
         if finished and "generated_tokens" in stats and "verify_steps" in stats:
-            return {"generated_tokens": int(stats["generated_tokens"]),
-                    "verify_steps": int(stats["verify_steps"]),
-                    "finish_reason": stats.get("finish_reason")}
-        return {"generated_tokens": n_tokens, "verify_steps": n_chunks, "finish_reason": None}
+            gen, steps = int(stats["generated_tokens"]), int(stats["verify_steps"])
+            return {"generated_tokens": gen, "accepted_tokens": max(0, gen - 1),
+                    "verify_steps": steps, "finish_reason": stats.get("finish_reason")}
+        return {"generated_tokens": n_tokens, "accepted_tokens": n_tokens - n_first,
+                "verify_steps": max(0, n_chunks - 1), "finish_reason": None}

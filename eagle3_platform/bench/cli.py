@@ -1,0 +1,44 @@
+"""`eagle3 bench`: Locust concurrency sweep against an OpenAI-compatible endpoint (+ baseline)."""
+from __future__ import annotations
+
+import os
+
+
+def _ints(s: str) -> list[int]:
+    try:
+        vals = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--concurrency must be comma-separated integers, not {s!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise ValueError("--concurrency values must be >= 1")
+    return vals
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser("bench", help="Locust sweep: TTFT, TPOT, throughput, τ; report + plots")
+    p.add_argument("--url", required=True, help="endpoint under test (EAGLE-3)")
+    p.add_argument("--baseline-url", default=None, help="endpoint without speculative decoding")
+    p.add_argument("--concurrency", default="1,2,4,8")
+    p.add_argument("--prompts", required=True, help="prompts JSONL (held-out eval prompts)")
+    p.add_argument("--duration", type=int, default=30, help="seconds per (endpoint, concurrency)")
+    p.add_argument("--out", required=True, help="report directory")
+    p.add_argument("--api-key", default=None, help="bearer key (default: $EAGLE3_API_KEY)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--stop-timeout", type=int, default=None,
+                   help="seconds in-flight requests may finish after each run (default: duration)")
+    p.add_argument("--no-warmup", action="store_true")
+    p.set_defaults(func=bench)
+
+
+def bench(a) -> dict:
+    from eagle3_platform.bench.run import run_benchmark
+
+    if not os.path.exists(a.prompts):
+        raise FileNotFoundError(f"prompts file not found: {a.prompts}")
+    res = run_benchmark(a.url, a.prompts, concurrency=_ints(a.concurrency), duration_s=a.duration,
+                        out_dir=a.out, baseline_url=a.baseline_url,
+                        api_key=a.api_key or os.environ.get("EAGLE3_API_KEY"),
+                        max_tokens=a.max_tokens, stop_timeout_s=a.stop_timeout,
+                        warmup=not a.no_warmup)
+    return {"out": a.out, "headline": res["headline"], "report": res["files"]["markdown"],
+            "html": res["files"]["html"], "results": res["files"]["results"]}

@@ -1,0 +1,185 @@
+"""Benchmark report: results.json, report.md, self-contained report.html, PNG plots (matplotlib Agg).
+
+Plots: median TPOT vs concurrency, output throughput vs concurrency, median TTFT vs concurrency
+(one line per endpoint: baseline vs EAGLE-3), and τ per workload for the EAGLE-3 endpoint.
+"""
+from __future__ import annotations
+
+import base64
+import html
+import json
+import os
+from pathlib import Path
+
+ALL = "all"
+PLOTS = {
+    "tpot_vs_concurrency.png": ("median_tpot_s", 1000.0, "median TPOT (ms)"),
+    "throughput_vs_concurrency.png": ("output_tok_per_s", 1.0, "output tokens/s"),
+    "ttft_vs_concurrency.png": ("median_ttft_s", 1000.0, "median TTFT (ms)"),
+}
+TAU_PLOT = "tau_per_workload.png"
+COLUMNS = [("endpoint", None, "{}"), ("concurrency", None, "{}"), ("workload", None, "{}"),
+           ("requests", 1, "{:d}"), ("failures", 1, "{:d}"), ("median_ttft_s", 1000, "{:.1f}"),
+           ("p90_ttft_s", 1000, "{:.1f}"), ("median_tpot_s", 1000, "{:.1f}"),
+           ("output_tok_per_s", 1, "{:.2f}"), ("tau", 1, "{:.2f}")]
+HEADERS = ["endpoint", "concurrency", "workload", "requests", "failures", "median TTFT ms",
+           "p90 TTFT ms", "median TPOT ms", "output tok/s", "τ"]
+
+
+def rows(results: dict, workload: str | None = ALL) -> list[dict]:
+    out = []
+    for run in results["runs"]:
+        for w, cell in run["cells"].items():
+            if workload is None or w == workload:
+                out.append({"endpoint": run["endpoint"], "concurrency": run["concurrency"],
+                            "workload": w, **cell})
+    return out
+
+
+def _cell(row: dict, key: str, scale, fmt: str) -> str:
+    v = row.get(key)
+    if v is None:
+        return "n/a"
+    return fmt.format(v * scale if scale not in (None, 1) else v)
+
+
+def table(rs: list[dict]) -> list[list[str]]:
+    return [[_cell(r, k, s, f) for k, s, f in COLUMNS] for r in rs]
+
+
+def plot_metric(results: dict, key: str, scale: float, ylabel: str, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for ep in sorted({r["endpoint"] for r in results["runs"]}):
+        pts = sorted((r["concurrency"], r["cells"][ALL].get(key)) for r in results["runs"]
+                     if r["endpoint"] == ep)
+        pts = [(c, v * scale) for c, v in pts if v is not None]
+        if pts:
+            ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", label=ep)
+    cs = sorted({r["concurrency"] for r in results["runs"]})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(cs, [str(c) for c in cs])
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("concurrency (users)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{ylabel} vs concurrency")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_tau(results: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_w: dict[str, list[tuple[int, int]]] = {}
+    for run in results["runs"]:
+        if run["endpoint"] != "eagle3":
+            continue
+        for w, cell in run["cells"].items():
+            if cell.get("tau") is not None:
+                by_w.setdefault(w, []).append((run["concurrency"], cell["tau"]))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    names = sorted(by_w, key=lambda w: (w == ALL, w))
+    # τ per workload over all concurrency levels (mean of the per-run values).
+    vals = [sum(t for _, t in by_w[w]) / len(by_w[w]) for w in names]
+    ax.bar(names, vals, color="tab:orange")
+    ax.axhline(1.0, color="gray", lw=1, ls="--")
+    ax.set_ylabel("acceptance length τ")
+    ax.set_title("EAGLE-3 acceptance length per workload")
+    for i, v in enumerate(vals):
+        ax.text(i, v, f"{v:.2f}", ha="center", va="bottom")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def markdown(results: dict, plots: list[str]) -> str:
+    h = results.get("headline", {})
+    cfg = results["config"]
+    lines = ["# EAGLE-3 benchmark report", "",
+             f"Prompts: `{cfg['prompts']}` ({cfg['n_prompts']} records; workloads: "
+             f"{', '.join(cfg['workloads'])}); max_tokens {cfg['max_tokens']}; "
+             f"{cfg['duration_s']} s per cell; concurrency {cfg['concurrency']}.", "",
+             "Endpoints: " + ", ".join(f"{k} = {v}" for k, v in cfg["endpoints"].items()), "",
+             "## Headline", ""]
+    for k, v in h.items():
+        lines.append(f"- **{k}**: {_fmt(v)}")
+    lines += ["", "## All workloads", "", *_md_table(table(rows(results)))]
+    per_w = [r for r in rows(results, None) if r["workload"] != ALL]
+    if per_w:
+        lines += ["", "## Per workload", "", *_md_table(table(per_w))]
+    lines += ["", "TPOT = (latency − TTFT) / (output tokens − 1); τ = accepted tokens / verify "
+              "steps (SGLang's avg_spec_accept_length definition).", ""]
+    lines += [f"![{p}]({p})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def _md_table(body: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS),
+            *["| " + " | ".join(r) + " |" for r in body]]
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3f}"
+    if isinstance(v, dict):
+        return ", ".join(f"c={k}: {x:.2f}×" for k, x in v.items())
+    return str(v)
+
+
+def html_report(results: dict, out_dir: Path, plots: list[str]) -> str:
+    def tab(body):
+        head = "".join(f"<th>{html.escape(x)}</th>" for x in HEADERS)
+        trs = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>"
+                      for r in body)
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{trs}</tbody></table>"
+
+    imgs = "".join(
+        f'<figure><img alt="{p}" src="data:image/png;base64,'
+        f'{base64.b64encode((out_dir / p).read_bytes()).decode()}"/><figcaption>{p}</figcaption>'
+        "</figure>" for p in plots)
+    head = "".join(f"<li><b>{html.escape(k)}</b>: {html.escape(_fmt(v))}</li>"
+                   for k, v in results.get("headline", {}).items())
+    per_w = [r for r in rows(results, None) if r["workload"] != ALL]
+    cfg = html.escape(json.dumps(results["config"], indent=1))
+    return ("<!doctype html><html><head><meta charset='utf-8'><title>EAGLE-3 benchmark</title>"
+            "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
+            "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}"
+            "figure{display:inline-block;margin:1em}</style></head><body>"
+            "<h1>EAGLE-3 benchmark report</h1>"
+            f"<h2>Headline</h2><ul>{head}</ul><h2>All workloads</h2>{tab(table(rows(results)))}"
+            + (f"<h2>Per workload</h2>{tab(table(per_w))}" if per_w else "")
+            + f"<h2>Plots</h2>{imgs}<h2>Config</h2><pre>{cfg}</pre></body></html>")
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def write_report(results: dict, out_dir: str | Path) -> dict:
+    """Writes plots, report.md, report.html and results.json; returns their paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plots = []
+    for name, (key, scale, label) in PLOTS.items():
+        plot_metric(results, key, scale, label, out_dir / name)
+        plots.append(name)
+    if any(r["endpoint"] == "eagle3" for r in results["runs"]):
+        plot_tau(results, out_dir / TAU_PLOT)
+        plots.append(TAU_PLOT)
+    files = {"results": str(out_dir / "results.json"), "markdown": str(out_dir / "report.md"),
+             "html": str(out_dir / "report.html"), "plots": [str(out_dir / p) for p in plots]}
+    _atomic_write(out_dir / "report.md", markdown(results, plots))
+    _atomic_write(out_dir / "report.html", html_report(results, out_dir, plots))
+    _atomic_write(out_dir / "results.json",
+                  json.dumps({**results, "files": files}, indent=2, default=str))
+    return files

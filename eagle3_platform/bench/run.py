@@ -1,0 +1,203 @@
+"""Concurrency sweep: one real headless Locust process per (endpoint, concurrency).
+
+Locust is never imported here (gevent monkey-patches sockets on import); it runs as
+`python -m locust -f locustfile.py --headless ...` in its own process. Around each run the endpoint's
+/server_info is snapshotted so τ can be taken from the counters' delta. Endpoints are interleaved
+per concurrency level (baseline c=1, eagle3 c=1, baseline c=2, …) so slow drift of a shared,
+noisy machine hits both alike.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import httpx
+
+from eagle3_platform.bench.metrics import aggregate, tau_between, wall_time
+from eagle3_platform.bench.prompts import prompt_messages
+from eagle3_platform.records import read_jsonl
+
+LOCUSTFILE = Path(__file__).with_name("locustfile.py")
+ALL = "all"
+INFO_TIMEOUT_S = 10.0
+WARMUP_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    concurrency: tuple[int, ...] = (1, 2, 4, 8)
+    duration_s: int = 30
+    max_tokens: int = 64
+    stop_timeout_s: int | None = None   # in-flight requests may finish; None = duration_s
+    warmup: bool = True
+    slack_s: int = 120                  # Locust start-up/shut-down allowance on a busy machine
+
+
+PRESETS: dict[str, BenchConfig] = {
+    "tiny": BenchConfig(concurrency=(1, 2), duration_s=4, max_tokens=16),
+    "demo": BenchConfig(concurrency=(1, 2, 4, 8), duration_s=30, max_tokens=64),
+    "full": BenchConfig(concurrency=(1, 2, 4, 8, 16, 32, 64), duration_s=120, max_tokens=256),
+}
+
+
+def default_workload(rec: dict) -> str:
+    return rec.get("workload") or ALL
+
+
+def server_info(url: str, api_key: str | None) -> dict | None:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    for path in ("/server_info", "/get_server_info"):
+        try:
+            r = httpx.get(url.rstrip("/") + path, headers=headers, timeout=INFO_TIMEOUT_S)
+        except httpx.HTTPError:
+            return None
+        if r.status_code == 200:
+            return r.json()
+    return None
+
+
+def warm_up(url: str, api_key: str | None, messages: list[dict]) -> None:
+    """One short request so lazy initialisation is not billed to the first measured cell."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    body = {"messages": messages, "max_tokens": WARMUP_TOKENS, "temperature": 0.0}
+    r = httpx.post(url.rstrip("/") + "/v1/chat/completions", json=body, headers=headers,
+                   timeout=600)
+    if r.status_code != 200:
+        raise RuntimeError(f"warm-up request to {url} failed: HTTP {r.status_code} {r.text[:300]}")
+
+
+def locust_command(url: str, concurrency: int, cfg: BenchConfig, csv_prefix: Path) -> list[str]:
+    stop_timeout = cfg.stop_timeout_s if cfg.stop_timeout_s is not None else cfg.duration_s
+    return [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
+            "-u", str(concurrency), "-r", str(concurrency), "--run-time", f"{cfg.duration_s}s",
+            "--host", url, "--only-summary", "--stop-timeout", str(stop_timeout),
+            "--csv", str(csv_prefix)]
+
+
+def run_locust(url: str, label: str, concurrency: int, prompts_path: Path, cfg: BenchConfig,
+               out_dir: Path, api_key: str | None) -> list[dict]:
+    stem = f"{label}_c{concurrency}"
+    req_path = out_dir / "requests" / f"{stem}.jsonl"
+    req_path.parent.mkdir(parents=True, exist_ok=True)
+    req_path.unlink(missing_ok=True)
+    env = {**os.environ, "EAGLE3_BENCH_PROMPTS": str(prompts_path), "EAGLE3_BENCH_OUT": str(req_path),
+           "EAGLE3_BENCH_MAX_TOKENS": str(cfg.max_tokens), "EAGLE3_BENCH_LABEL": label,
+           "EAGLE3_BENCH_CONCURRENCY": str(concurrency)}
+    env.pop("EAGLE3_API_KEY", None)
+    if api_key:
+        env["EAGLE3_API_KEY"] = api_key
+    cmd = locust_command(url, concurrency, cfg, out_dir / "locust" / stem)
+    (out_dir / "locust").mkdir(parents=True, exist_ok=True)
+    timeout = cfg.duration_s + (cfg.stop_timeout_s or cfg.duration_s) + cfg.slack_s
+    with open(out_dir / "locust" / f"{stem}.log", "wb") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout)
+    # Locust exits 1 when any request failed; failures are counted from the records instead.
+    if proc.returncode not in (0, 1):
+        tail = (out_dir / "locust" / f"{stem}.log").read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"locust exited with {proc.returncode} for {stem}:\n{tail}")
+    return list(read_jsonl(req_path, tolerate_torn_tail=True)) if req_path.exists() else []
+
+
+def summarize(records: list[dict], workloads: list[str]) -> dict[str, dict]:
+    """Per-workload cells plus the 'all' cell; throughput uses the whole run's wall time."""
+    wall = wall_time(records)
+    cells = {ALL: aggregate(records, wall)}
+    for w in sorted(set(workloads)):
+        rows = [r for r in records if r["workload"] == w]
+        if rows and w != ALL:
+            cells[w] = aggregate(rows, wall)
+    return cells
+
+
+def run_benchmark(url: str, prompts_path: str | Path, concurrency=(1, 2, 4, 8),
+                  duration_s: int = 30, out_dir: str | Path = "bench_out",
+                  baseline_url: str | None = None, api_key: str | None = None,
+                  workload_of_prompt: Callable[[dict], str] = default_workload,
+                  max_tokens: int = 64, stop_timeout_s: int | None = None,
+                  warmup: bool = True, write_report: bool = True) -> dict:
+    """Sweep concurrency on each endpoint; returns (and writes) results.json's content."""
+    prompts_path, out_dir = Path(prompts_path), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = list(read_jsonl(prompts_path))
+    if not rows:
+        raise ValueError(f"no prompts in {prompts_path}")
+    for r in rows:  # fail before any load is generated, with the record's id
+        prompt_messages(r)
+    wl = [workload_of_prompt(r) for r in rows]
+    cfg = BenchConfig(concurrency=tuple(int(c) for c in concurrency), duration_s=int(duration_s),
+                      max_tokens=int(max_tokens), stop_timeout_s=stop_timeout_s, warmup=warmup)
+    if any(c < 1 for c in cfg.concurrency) or cfg.duration_s < 1 or cfg.max_tokens < 1:
+        raise ValueError("concurrency, duration and max_tokens must be >= 1")
+    endpoints = ([("baseline", baseline_url)] if baseline_url else []) + [("eagle3", url)]
+    if warmup:
+        for _, u in endpoints:
+            warm_up(u, api_key, prompt_messages(rows[0]))
+    runs = []
+    for c in cfg.concurrency:
+        for label, u in endpoints:
+            print(f"[bench] {label} c={c} for {cfg.duration_s}s …", file=sys.stderr, flush=True)
+            before = server_info(u, api_key)
+            t0 = time.time()
+            recs = run_locust(u, label, c, prompts_path, cfg, out_dir, api_key)
+            after = server_info(u, api_key)
+            for r in recs:
+                r["workload"] = wl[r["prompt_idx"]] if 0 <= r.get("prompt_idx", -1) < len(wl) else ALL
+            tau, src = tau_between(before, after)
+            cells = summarize(recs, wl)
+            if cells[ALL]["tau"] is None and tau is not None:
+                cells[ALL].update(tau=tau, tau_source=src)
+            cells[ALL]["tau_server_info"] = tau
+            runs.append({"endpoint": label, "url": u, "concurrency": c, "started": t0,
+                         "cells": cells})
+            a = cells[ALL]
+            print(f"[bench]   requests={a['requests']} failures={a['failures']} "
+                  f"median_tpot_ms={_ms(a['median_tpot_s'])} tok/s={_fmt(a['output_tok_per_s'])} "
+                  f"tau={_fmt(a['tau'])}", file=sys.stderr, flush=True)
+    results = {"config": {"concurrency": list(cfg.concurrency), "duration_s": cfg.duration_s,
+                          "max_tokens": cfg.max_tokens, "prompts": str(prompts_path),
+                          "n_prompts": len(rows), "workloads": sorted(set(wl)),
+                          "endpoints": {k: v for k, v in endpoints}},
+               "runs": runs}
+    results["headline"] = headline(results)
+    if write_report:
+        from eagle3_platform.bench.report import write_report as _write
+        results["files"] = _write(results, out_dir)
+    return results
+
+
+def headline(results: dict) -> dict:
+    """Median TPOT at the lowest concurrency, baseline vs EAGLE-3, speedup, τ, throughput ratios."""
+    cells = {(r["endpoint"], r["concurrency"]): r["cells"][ALL] for r in results["runs"]}
+    cs = sorted({c for _, c in cells})
+    if not cs:
+        return {}
+    c0 = cs[0]
+    e = cells.get(("eagle3", c0), {})
+    b = cells.get(("baseline", c0))
+    out = {"concurrency": c0, "eagle3_median_tpot_ms": _ms(e.get("median_tpot_s")),
+           "eagle3_tau": e.get("tau")}
+    if b:
+        out["baseline_median_tpot_ms"] = _ms(b.get("median_tpot_s"))
+        if b.get("median_tpot_s") and e.get("median_tpot_s"):
+            out["tpot_speedup"] = b["median_tpot_s"] / e["median_tpot_s"]
+        out["throughput_ratio"] = {
+            str(c): cells[("eagle3", c)]["output_tok_per_s"] / cells[("baseline", c)]["output_tok_per_s"]
+            for c in cs if ("baseline", c) in cells and ("eagle3", c) in cells
+            and cells[("baseline", c)].get("output_tok_per_s")
+            and cells[("eagle3", c)].get("output_tok_per_s")}
+    out["failures"] = sum(v.get("failures", 0) for v in cells.values())
+    return out
+
+
+def _ms(s: float | None) -> float | None:
+    return None if s is None else round(s * 1000.0, 2)
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}"

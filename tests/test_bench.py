@@ -1,0 +1,172 @@
+"""Benchmark: metrics, SSE parsing, report files, and real headless Locust runs (integration)."""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from eagle3_platform.bench.metrics import aggregate, percentile, tau_between, tpot, wall_time
+from eagle3_platform.bench.prompts import prompt_messages
+from eagle3_platform.bench.sse import read_stream
+
+PROMPTS = [
+    {"id": "a", "workload": "chat", "source": "t", "license": "t",
+     "messages": [{"role": "user", "content": "Tell me about foxes."}]},
+    {"id": "b", "workload": "code", "source": "t", "license": "t",
+     "messages": [{"role": "system", "content": "Be brief."},
+                  {"role": "user", "content": "Write add(a, b)."},
+                  {"role": "user", "content": "Now sub."}]},
+    {"id": "c", "workload": "math", "source": "t", "license": "t",
+     "messages": [{"role": "user", "content": "What is 2 + 2?"}]},
+]
+
+
+@pytest.fixture()
+def prompts_file(tmp_path):
+    p = tmp_path / "prompts.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
+    return p
+
+
+def test_tpot_definition():
+    assert tpot(1.0, 0.1, 10) == pytest.approx(0.1)
+    assert tpot(1.0, 0.1, 1) is None and tpot(1.0, None, 5) is None
+
+
+def test_percentile_and_aggregate():
+    assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([5], 90) == 5
+    assert percentile([], 50) is None
+    recs = [{"ok": True, "start": 0.0, "latency_s": 1.0, "ttft_s": 0.1, "output_tokens": 10,
+             "tpot_s": 0.1, "verify_steps": 3, "accepted_tokens": 9},
+            {"ok": True, "start": 1.0, "latency_s": 1.0, "ttft_s": 0.3, "output_tokens": 8,
+             "tpot_s": 0.1, "verify_steps": 4, "accepted_tokens": 7},
+            {"ok": False, "start": 2.0, "latency_s": 0.5, "error": "HTTP 503"}]
+    a = aggregate(recs)
+    assert a["requests"] == 2 and a["failures"] == 1
+    assert a["median_ttft_s"] == pytest.approx(0.2)
+    assert a["output_tokens"] == 18 and a["wall_s"] == pytest.approx(2.5)
+    assert a["output_tok_per_s"] == pytest.approx(18 / 2.5)
+    assert a["tau"] == pytest.approx(16 / 7)
+    assert wall_time([]) is None
+
+
+def test_tau_between_counters_and_sglang_average():
+    b = {"spec_accepted_tokens": 10, "spec_verify_steps": 10, "avg_spec_accept_length": 1.0}
+    a = {"spec_accepted_tokens": 40, "spec_verify_steps": 20, "avg_spec_accept_length": 2.0}
+    assert tau_between(b, a) == (pytest.approx(3.0), "server_info_delta")
+    sg_before = {"internal_states": [{"avg_spec_accept_length": None}]}
+    sg_after = {"internal_states": [{"avg_spec_accept_length": 2.5}]}
+    assert tau_between(sg_before, sg_after) == (2.5, "server_info")
+    assert tau_between(sg_after, sg_after)[1] == "server_info_cumulative"
+    assert tau_between(None, None) == (None, None)
+
+
+def test_prompt_messages():
+    assert prompt_messages(PROMPTS[1]) == PROMPTS[1]["messages"][:2]
+    assert prompt_messages({"prompt": "hi"}) == [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError):
+        prompt_messages({"id": "x", "messages": [{"role": "system", "content": "s"}]})
+
+
+def test_read_stream():
+    lines = [b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}', b"",
+             b'data: {"choices":[{"delta":{"content":"Hel"}}]}',
+             b'data: {"choices":[{"delta":{"content":"lo"}}]}',
+             b'data: {"choices":[],"usage":{"completion_tokens":3,"spec_verify_steps":1}}',
+             b"data: [DONE]"]
+    got = read_stream(iter(lines), 0.0)
+    assert got["chunks"] == 2 and got["error"] is None and got["ttft_s"] is not None
+    assert got["usage"]["completion_tokens"] == 3
+    assert read_stream(iter(lines[:3]), 0.0)["error"] == "stream ended without [DONE]"
+    err = read_stream(iter([b'data: {"error":{"message":"boom"}}', b"data: [DONE]"]), 0.0)
+    assert err["error"] == "boom"
+
+
+def test_report_files_from_results(tmp_path):
+    from eagle3_platform.bench.report import write_report
+    from eagle3_platform.bench.run import headline
+
+    def cell(tpot_s, tps, tau):
+        return {"requests": 5, "failures": 0, "median_ttft_s": 0.05, "p90_ttft_s": 0.06,
+                "median_tpot_s": tpot_s, "p90_tpot_s": tpot_s, "median_latency_s": 1.0,
+                "output_tokens": 100, "wall_s": 5.0, "output_tok_per_s": tps, "tau": tau}
+    runs = [{"endpoint": ep, "concurrency": c, "cells": {"all": cell(t, s, tau), "chat": cell(t, s, tau)}}
+            for ep, t, s, tau in (("baseline", 0.04, 25.0, 1.0), ("eagle3", 0.02, 50.0, 2.4))
+            for c in (1, 2)]
+    results = {"config": {"concurrency": [1, 2], "duration_s": 5, "max_tokens": 16,
+                          "prompts": "p.jsonl", "n_prompts": 3, "workloads": ["chat"],
+                          "endpoints": {"baseline": "u0", "eagle3": "u1"}}, "runs": runs}
+    results["headline"] = h = headline(results)
+    assert h["tpot_speedup"] == pytest.approx(2.0) and h["throughput_ratio"]["2"] == pytest.approx(2.0)
+    files = write_report(results, tmp_path)
+    for p in files["plots"]:
+        assert open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    md = (tmp_path / "report.md").read_text()
+    assert "| eagle3 | 1 | all | 5 | 0 |" in md and "tpot_speedup" in md
+    html = (tmp_path / "report.html").read_text()
+    assert html.count("data:image/png;base64,") == 4  # self-contained
+    assert json.loads((tmp_path / "results.json").read_text())["headline"]["tpot_speedup"] == 2.0
+
+
+def _check_results(res, out, endpoints):
+    assert {r["endpoint"] for r in res["runs"]} == set(endpoints)
+    assert sorted({r["concurrency"] for r in res["runs"]}) == [1, 2]
+    for run in res["runs"]:
+        a = run["cells"]["all"]
+        assert a["failures"] == 0 and a["requests"] >= 1, run
+        assert a["median_tpot_s"] > 0 and a["median_ttft_s"] > 0 and a["output_tok_per_s"] > 0
+        assert a["tau"] is not None and a["tau"] >= 1.0
+    for name in ("report.md", "report.html", "results.json", "tpot_vs_concurrency.png",
+                 "throughput_vs_concurrency.png", "tau_per_workload.png"):
+        assert (out / name).stat().st_size > 0
+    # Per-request rows came from the Locust worker process and carry no text.
+    rows = [json.loads(x) for x in (out / "requests" / f"{endpoints[-1]}_c1.jsonl").read_text().splitlines()]
+    assert rows and all("content" not in r and "prompt" not in r for r in rows)
+
+
+@pytest.mark.integration
+def test_locust_sweep_against_fake_servers(tmp_path, prompts_file):
+    from eagle3_platform.bench.run import run_benchmark
+    from eagle3_platform.serve.launch import spawn_server
+
+    cmd = [sys.executable, "-m", "eagle3_platform.serve.testing", "--delay-s", "0.01"]
+    eagle = spawn_server(cmd + ["--chunk", "3"], api_key="k", timeout=60)
+    base = spawn_server(cmd + ["--chunk", "1"], api_key="k", timeout=60)
+    try:
+        res = run_benchmark(eagle.url, prompts_file, concurrency=[1, 2], duration_s=2,
+                            out_dir=tmp_path / "out", baseline_url=base.url, api_key="k",
+                            max_tokens=12)
+    finally:
+        eagle.stop(), base.stop()
+    _check_results(res, tmp_path / "out", ["baseline", "eagle3"])
+    cells = {(r["endpoint"], r["concurrency"]): r["cells"] for r in res["runs"]}
+    # The fake engine's τ is exact: 1 prefill token, then 3 tokens (eagle) / 1 (baseline) per step.
+    assert cells[("eagle3", 1)]["all"]["tau"] == pytest.approx(11 / 4)
+    assert cells[("baseline", 2)]["all"]["tau"] == pytest.approx(1.0)
+    assert {"chat", "code", "math"} <= set(cells[("eagle3", 1)]) | set(cells[("eagle3", 2)])
+    assert res["headline"]["failures"] == 0
+
+
+@pytest.mark.integration
+def test_bench_cli_against_tiny_target_server(tmp_path, prompts_file, tiny_target_dir):
+    """`eagle3 bench` (real Locust) against `eagle3 serve` on the tiny target (real engine)."""
+    import subprocess
+
+    from eagle3_platform.serve.launch import start_embedded_server
+
+    srv = start_embedded_server(tiny_target_dir, log_path=tmp_path / "serve.log", timeout=120)
+    try:
+        out = tmp_path / "out"
+        proc = subprocess.run([sys.executable, "-m", "eagle3_platform.cli", "bench", "--url", srv.url,
+                               "--concurrency", "1,2", "--prompts", str(prompts_file),
+                               "--duration", "3", "--out", str(out), "--max-tokens", "8"],
+                              capture_output=True, text=True, timeout=300)
+    finally:
+        assert srv.stop() == 0
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["ok"] and summary["headline"]["failures"] == 0
+    res = json.loads((out / "results.json").read_text())
+    _check_results(res, out, ["eagle3"])
+    assert res["runs"][0]["cells"]["all"]["tau"] == pytest.approx(1.0)  # no draft: one token/step
