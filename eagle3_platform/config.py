@@ -1,0 +1,49 @@
+"""Named presets for the whole platform: one name (tiny | demo | full) selects every area's config.
+
+Each area owns its typed config and its PRESETS (sources, pii, filter, regen, features, train, serve,
+bench); this module only composes them, so there is one source of truth per setting. Speculative
+decoding settings are named by shape (chain | tree | baseline), so each platform preset picks one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from eagle3_platform.bench.run import PRESETS as BENCH, BenchConfig
+from eagle3_platform.data.filter import PRESETS as FILTER, FilterConfig
+from eagle3_platform.data.pii import PRESETS as PII, PiiConfig
+from eagle3_platform.data.regenerate import PRESETS as REGEN, RegenConfig
+from eagle3_platform.data.sources import PRESETS as SOURCES, SourceConfig
+from eagle3_platform.draft.train import PRESETS as TRAIN, TrainConfig
+from eagle3_platform.features.extract import PRESETS as FEATURES, FeatureConfig
+from eagle3_platform.serve.config import PRESETS as SERVE, ServeConfig
+from eagle3_platform.spec.config import PRESETS as SPEC, SpecConfig
+
+PRESET_NAMES = ("tiny", "demo", "full")
+# tiny runs on a random target, where drafting shape matters less than test speed.
+SPEC_FOR_PRESET = {"tiny": "tiny", "demo": "chain", "full": "chain"}
+
+
+@dataclass(frozen=True)
+class PlatformConfig:
+    name: str
+    sources: SourceConfig
+    pii: PiiConfig
+    filter: FilterConfig
+    regen: RegenConfig
+    features: FeatureConfig
+    train: TrainConfig
+    spec: SpecConfig
+    serve: ServeConfig
+    bench: BenchConfig
+
+    def with_(self, **areas) -> "PlatformConfig":
+        return replace(self, **areas)
+
+
+def preset(name: str) -> PlatformConfig:
+    if name not in PRESET_NAMES:
+        raise ValueError(f"unknown preset {name!r}; expected one of {PRESET_NAMES}")
+    return PlatformConfig(
+        name=name, sources=SOURCES[name], pii=PII[name], filter=FILTER[name], regen=REGEN[name],
+        features=FEATURES[name], train=TRAIN[name], spec=SPEC[SPEC_FOR_PRESET[name]],
+        serve=SERVE[name], bench=BENCH[name])
