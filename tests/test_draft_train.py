@@ -1,0 +1,109 @@
+"""Training: CLI smoke, resume after SIGKILL == uninterrupted (bitwise), DDP 2 gloo procs == 1 proc."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle3_platform.draft.synthetic import target_features
+from eagle3_platform.draft.train import PRESETS, batch_plan, lr_at
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+@pytest.fixture(scope="module")
+def features(tiny_target_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("draft_feats")
+    return (target_features(tiny_target_dir, root / "train", n_samples=12, seed=0),
+            target_features(tiny_target_dir, root / "eval", n_samples=4, seed=1))
+
+
+def _cli(*args, wait=True):
+    cmd = [sys.executable, "-m", "eagle3_platform.cli", "train", "--preset", "tiny", "--threads", "1", *args]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if not wait:
+        return p
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err[-2000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_plan_and_schedule_are_pure_functions():
+    cfg = PRESETS["tiny"]
+    lengths = [30, 12, 50, 7, 100, 64, 9, 40]
+    assert batch_plan(lengths, cfg) == batch_plan(lengths, cfg)
+    plan = batch_plan(lengths, cfg)
+    assert sorted(i for b in plan[:len(plan) // 2] for i in b) == list(range(8))   # epoch 0 = all samples
+    assert all(sum(min(lengths[i], cfg.max_len) for i in b) <= cfg.batch_tokens or len(b) == 1 for b in plan)
+    lrs = [lr_at(s, 100, cfg) for s in range(100)]
+    assert max(lrs) == pytest.approx(cfg.lr) and lrs[0] < lrs[10] and lrs[-1] < 0.01 * cfg.lr
+
+
+@pytest.mark.integration
+def test_cli_train_outputs_and_eval(tiny_target_dir, features, tmp_path):
+    out = tmp_path / "d"
+    s = _cli("--target", str(tiny_target_dir), "--features", str(features[0]), "--out", str(out),
+             "--eval-features", str(features[1]))
+    assert s["ok"] and s["steps"] > 0 and len(s["eval"]["acc"]) == PRESETS["tiny"].ttt_steps
+    assert 1.0 <= s["eval_simulated_acceptance"] <= 1 + PRESETS["tiny"].ttt_steps
+    for f in ("draft.safetensors", "draft_config.json", "metrics.json", "vocab.safetensors"):
+        assert (out / f).exists()
+    assert "embed_tokens.weight" not in load_file(str(out / "draft.safetensors"))
+
+
+@pytest.mark.integration
+def test_resume_after_sigkill_gives_identical_weights(tiny_target_dir, features, tmp_path):
+    common = ["--target", str(tiny_target_dir), "--features", str(features[0]), "--epochs", "20"]
+    ref = _cli(*common, "--out", str(tmp_path / "ref"))
+    total = ref["steps"]
+    killed = tmp_path / "killed"
+    p = _cli(*common, "--out", str(killed), wait=False)
+    state, deadline = killed / "checkpoint" / "state.json", time.time() + 240
+    while time.time() < deadline and p.poll() is None:
+        try:
+            if json.loads(state.read_text())["step"] >= 4:
+                break
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass
+        time.sleep(0.01)
+    os.kill(p.pid, signal.SIGKILL)
+    p.communicate()
+    assert p.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    assert not (killed / "draft.safetensors").exists()
+    step_at_kill = json.loads(state.read_text())["step"]
+    assert 0 < step_at_kill < total
+    resumed = _cli(*common, "--out", str(killed), "--resume")
+    assert resumed["resumed_from"] == step_at_kill
+    a, b = load_file(str(tmp_path / "ref" / "draft.safetensors")), load_file(str(killed / "draft.safetensors"))
+    assert set(a) == set(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.integration
+def test_ddp_two_gloo_processes_match_one(tiny_target_dir, features, tmp_path):
+    common = ["--target", str(tiny_target_dir), "--features", str(features[0])]
+    one = _cli(*common, "--out", str(tmp_path / "one"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "eagle3_platform.cli", "train", "--preset", "tiny", "--threads", "1", *common,
+           "--out", str(tmp_path / "two")]
+    r = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    two = json.loads(r.stdout.strip().splitlines()[-1])
+    assert two["world_size"] == 2 and one["world_size"] == 1 and two["steps"] == one["steps"]
+    assert two["train_tokens"] == one["train_tokens"]
+    h1 = json.loads((tmp_path / "one" / "metrics.json").read_text())["history"]
+    h2 = json.loads((tmp_path / "two" / "metrics.json").read_text())["history"]
+    assert [h["loss"] for h in h2] == pytest.approx([h["loss"] for h in h1], rel=1e-5)
+    a, b = load_file(str(tmp_path / "one" / "draft.safetensors")), load_file(str(tmp_path / "two" / "draft.safetensors"))
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=1e-5, rtol=1e-4)
