@@ -149,24 +149,35 @@ def test_locust_sweep_against_fake_servers(tmp_path, prompts_file):
 
 
 @pytest.mark.integration
-def test_bench_cli_against_tiny_target_server(tmp_path, prompts_file, tiny_target_dir):
-    """`eagle3 bench` (real Locust) against `eagle3 serve` on the tiny target (real engine)."""
+def test_bench_cli_against_tiny_target_servers(tmp_path, prompts_file, tiny_target_dir):
+    """`eagle3 bench` (real Locust) against two `eagle3 serve` processes on the tiny target (real
+    engine): the baseline and one with a (random, untrained) EAGLE-3 export."""
     import subprocess
 
     from eagle3_platform.serve.launch import start_embedded_server
+    from eagle3_platform.serve.testing import random_export
 
-    srv = start_embedded_server(tiny_target_dir, log_path=tmp_path / "serve.log", timeout=120)
+    export = random_export(tiny_target_dir, tmp_path / "export")
+    base = start_embedded_server(tiny_target_dir, log_path=tmp_path / "base.log", timeout=120)
     try:
-        out = tmp_path / "out"
-        proc = subprocess.run([sys.executable, "-m", "eagle3_platform.cli", "bench", "--url", srv.url,
-                               "--concurrency", "1,2", "--prompts", str(prompts_file),
-                               "--duration", "3", "--out", str(out), "--max-tokens", "8"],
-                              capture_output=True, text=True, timeout=300)
+        eagle = start_embedded_server(tiny_target_dir, export, spec="chain",
+                                      log_path=tmp_path / "eagle.log", timeout=120)
+        try:
+            out = tmp_path / "out"
+            proc = subprocess.run(
+                [sys.executable, "-m", "eagle3_platform.cli", "bench", "--url", eagle.url,
+                 "--baseline-url", base.url, "--concurrency", "1,2", "--prompts",
+                 str(prompts_file), "--duration", "3", "--out", str(out), "--max-tokens", "8"],
+                capture_output=True, text=True, timeout=400)
+        finally:
+            assert eagle.stop() == 0
     finally:
-        assert srv.stop() == 0
+        assert base.stop() == 0
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["ok"] and summary["headline"]["failures"] == 0
+    assert summary["headline"]["baseline_median_tpot_ms"] > 0
     res = json.loads((out / "results.json").read_text())
-    _check_results(res, out, ["eagle3"])
-    assert res["runs"][0]["cells"]["all"]["tau"] == pytest.approx(1.0)  # no draft: one token/step
+    _check_results(res, out, ["baseline", "eagle3"])
+    base_cells = [r["cells"]["all"] for r in res["runs"] if r["endpoint"] == "baseline"]
+    assert all(c["tau"] == pytest.approx(1.0) for c in base_cells)  # no draft: one token per step

@@ -318,3 +318,55 @@ def test_subprocess_server_clean_shutdown_with_inflight_request(tmp_path):
     assert got["status"] == 200 and got["text"].rstrip().endswith("data: [DONE]")
     log = (tmp_path / "server.log").read_text()
     assert "capital of France" not in log  # no prompt text in logs
+
+
+# -- the real engine on the tiny target ----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_export(tiny_target_dir, tmp_path_factory):
+    from eagle3_platform.serve.testing import random_export
+    return random_export(tiny_target_dir, tmp_path_factory.mktemp("draft") / "export")
+
+
+def test_real_engine_through_server_is_lossless(tiny_target_dir, tiny_export):
+    """Greedy through the server with a (random) EAGLE-3 head == the baseline server's output."""
+    from eagle3_platform.serve.server import build_engine
+
+    outs = {}
+    for name, draft in (("baseline", None), ("eagle3", tiny_export)):
+        engine, target, meta = build_engine(tiny_target_dir, draft, "tree")
+        app = build_app(engine, target.tokenizer, ServeConfig(max_tokens=24), model_name=name,
+                        context_length=int(target.model.config.max_position_embeddings), info=meta)
+        with TestClient(app) as c:
+            r = c.post(CHAT, json={"messages": MSGS, "max_tokens": 20})
+            s = c.post(CHAT, json={"messages": MSGS, "max_tokens": 20, "stream": True})
+            info = c.get("/server_info").json()
+        assert r.status_code == 200 and s.status_code == 200
+        streamed = "".join(json.loads(e)["choices"][0]["delta"].get("content", "")
+                           for e in sse_events(s.text)[:-1])
+        outs[name] = r.json()["choices"][0]["message"]["content"]
+        assert streamed == outs[name]
+        assert info["spec"] == ("tree" if draft else "baseline")
+        assert info["avg_spec_accept_length"] >= 1.0
+        if draft is None:
+            assert info["avg_spec_accept_length"] == 1.0
+    assert outs["eagle3"] == outs["baseline"]
+
+
+@pytest.mark.integration
+def test_real_server_subprocess_serves_and_exits_cleanly(tiny_target_dir, tiny_export, tmp_path):
+    from eagle3_platform.serve.launch import start_embedded_server
+
+    h = start_embedded_server(tiny_target_dir, tiny_export, spec="chain",
+                              log_path=tmp_path / "serve.log", timeout=120)
+    try:
+        r = httpx.post(h.url + CHAT, json={"messages": MSGS, "max_tokens": 6}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        info = httpx.get(h.url + "/server_info").json()
+        assert info["draft"] is True and info["spec_verify_steps"] >= 1
+        assert httpx.get(h.url + "/v1/models").json()["data"][0]["id"].endswith("-eagle3")
+    finally:
+        code = h.stop()
+    assert code == 0
+    log = (tmp_path / "serve.log").read_text()
+    assert "Application shutdown complete" in log and "capital of France" not in log

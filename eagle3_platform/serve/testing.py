@@ -10,6 +10,7 @@ import argparse
 import logging
 import random
 import time
+from pathlib import Path
 from typing import Iterator, Sequence
 
 
@@ -55,6 +56,31 @@ class FakeEngine:
 def word_token_ids(tokenizer, text: str = "the quick brown fox jumps over the lazy dog ") -> list[int]:
     """Ids whose decoding is plain text, so streamed output is readable and stop strings work."""
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def random_export(target_dir, out_dir, draft_vocab_size: int = 64, seed: int = 0) -> Path:
+    """An untrained (random) EAGLE-3 export for a prepared target: exercises the real drafting and
+    verification path end to end (greedy output must still equal the target's; τ will be ~1)."""
+    import torch
+
+    from eagle3_platform.draft.export import export_draft
+    from eagle3_platform.draft.model import DraftConfig, build_draft, target_hf_config
+    from eagle3_platform.draft.train import save_draft_dir
+    from eagle3_platform.draft.vocab import build_vocab
+    from eagle3_platform.target import read_meta
+
+    out_dir = Path(out_dir)
+    hf = target_hf_config(target_dir)
+    g = torch.Generator().manual_seed(seed)
+    d2t, t2d, _ = build_vocab(torch.randint(0, 50, (hf["vocab_size"],), generator=g),
+                              hf["vocab_size"], draft_vocab_size)
+    torch.manual_seed(seed)
+    cfg = DraftConfig.from_target(hf, draft_vocab_size, read_meta(target_dir)["capture_layer_ids"])
+    draft = build_draft(target_dir, cfg, True, d2t, t2d)
+    draft_dir = save_draft_dir(out_dir.with_name(out_dir.name + "-train"), draft,
+                               {"target": read_meta(target_dir)})
+    export_draft(draft_dir, out_dir, dtype="float32")
+    return out_dir
 
 
 def main(argv=None) -> int:
