@@ -73,26 +73,29 @@ class SecretRecognizer(PatternRecognizer):
 # Street addresses: presidio ships none. US style "1600 Pennsylvania Avenue NW [Suite 4]" (number, 1-4
 # capitalised words, a USPS street suffix), UK style "221B Baker Street", PO boxes, and the
 # "City, ST 12345" line (also APO/FPO military lines). A bare city is LOCATION (NER), not an address.
-_SUFFIX = (
-    "Street|St|Avenue|Ave|Road|Rd|Boulevard|Blvd|Lane|Ln|Drive|Dr|Court|Ct|Way|Place|Pl|Terrace|Ter|"
-    "Circle|Cir|Parkway|Pkwy|Highway|Hwy|Square|Sq|Trail|Trl|Close|Crescent|Cres|Gardens|Grove|Hill|"
-    "Hills|Mews|Row|Walk|Loop|Alley|Bypass|Causeway|Center|Centre|Crossing|Expressway|Freeway|Heights|"
-    "Junction|Landing|Meadow|Meadows|Mill|Mission|Park|Pike|Plaza|Point|Port|Ridge|Route|Run|Station|"
-    "Turnpike|Valley|Village|Vista|View|Views|Estates|Harbor|Haven|Hollow|Island|Keys|Knoll|Lake|"
-    "Lakes|Manor|Oval|Pass|Path|Plains|Ranch|Shoal|Shore|Shores|Spring|Springs|Summit|Throughway|Track|"
-    "Union|Ville|Well|Wells|Fork|Forks|Ford|Fort|Falls|Field|Fields|Flat|Flats|Green|Greens|Brook|"
-    "Branch|Bridge|Burg|Camp|Canyon|Cape|Club|Common|Corner|Corners|Cove|Creek|Crest|Dale|Dam|Divide|"
-    "Extension|Glen|Glens|Inlet|Isle|Light|Lights|Lock|Locks|Lodge|Mall|Motorway|Mount|Mountain|Neck|"
-    "Orchard|Overpass|Radial|Ramp|Rapid|Rapids|Rest|Skyway|Square|Stravenue|Stream|Underpass|Via|Wall"
-)
+# USPS Publication 28 street suffixes (C1, full names + common abbreviations), plural "s" allowed.
+_SUFFIX = "|".join((
+    "Alley Avenue Ave Branch Bridge Brook Burg Bypass Camp Canyon Cape Causeway Center Centre Circle Cir "
+    "Cliff Close Club Common Corner Course Court Ct Cove Creek Crescent Cres Crest Crossing Crossroad Curve "
+    "Dale Dam Divide Drive Dr Estate Expressway Extension Fall Ferry Field Flat Ford Forest Forge Fork Fort "
+    "Freeway Garden Gateway Glen Green Grove Harbor Haven Heights Highway Hwy Hill Hollow Inlet Island Isle "
+    "Junction Key Knoll Lake Land Landing Lane Ln Light Loaf Lock Lodge Loop Mall Manor Meadow Mews Mill "
+    "Mission Motorway Mount Mountain Neck Orchard Oval Overpass Park Parkway Pkwy Pass Passage Path Pike "
+    "Pine Place Pl Plain Plaza Point Port Prairie Radial Ramp Ranch Rapid Rest Ridge River Road Rd Route "
+    "Row Rue Run Shoal Shore Skyway Spring Spur Square Sq Station Stravenue Stream Street St Summit Terrace "
+    "Ter Throughway Trace Track Trafficway Trail Trl Tunnel Turnpike Underpass Union Valley Via Viaduct "
+    "View Village Ville Vista Walk Wall Way Well Blvd Boulevard"
+).split())
 ADDRESS_PATTERNS: list[tuple[str, str, float]] = [
     # [ \t] not \s: an address sits on one line; "Step 3\nOpen Settings" must not read as one
     ("street", r"\b\d{1,6}[A-Z]?(?:[ \t]+(?:[NSEW]|North|South|East|West))?(?:[ \t]+[A-Z][a-zA-Z'\-]+){1,4}"
-               r"[ \t]+(?:" + _SUFFIX + r")\b\.?(?:[ \t]+(?:[NS][EW]|[NSEW])\b)?(?:,?[ \t]+(?:Apt\.?|Suite|Unit|Ste\.?|#)[ \t]*[\w\-]+)?", 0.7),
+               r"[ \t]+(?:" + _SUFFIX + r")s?\b\.?(?:[ \t]+(?:[NS][EW]|[NSEW])\b)?"
+               r"(?:,?[ \t]+(?:Apt\.?|Suite|Unit|Ste\.?|#)[ \t]*[\w\-]+)?", 0.7),
     ("po box", r"\b(?:P\.?\s?O\.?\s+Box|PSC\s+\d{3,5},?\s+Box)\s+\d{1,6}\b", 0.7),
     ("city state zip", r"\b[A-Z][a-zA-Z]+(?:\s+[A-Z][a-zA-Z]+){0,2},\s+(?:A[AEKLPRSZ]|C[AOT]|D[CE]|F[LM]|"
                        r"G[AU]|HI|I[ADLN]|K[SY]|LA|M[ADEHINOPST]|N[CDEHJMVY]|O[HKR]|P[ARW]|RI|S[CD]|T[NX]|"
                        r"UT|V[AIT]|W[AIVY])\s+\d{5}(?:-\d{4})?\b", 0.7),
+    ("military", r"\b(?:APO|FPO|DPO)\s+A[AEP]\s+\d{5}\b", 0.7),
     ("uk postcode", r"\b[A-Z]{1,2}\d[A-Z\d]?\s\d[A-Z]{2}\b", 0.6),
 ]
 
