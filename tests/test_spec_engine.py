@@ -1,0 +1,146 @@
+"""SpecEngine on the tiny target: greedy losslessness (random EAGLE-3 draft, oracle drafts), stops, stats."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle3_platform.spec.config import PRESETS, SpecConfig
+from eagle3_platform.spec.engine import SpecEngine
+from eagle3_platform.spec.oracle import OracleDrafter
+from eagle3_platform.spec.testing import random_draft as make_random_draft
+from eagle3_platform.spec.testing import varied_target
+
+PROMPTS = ["What is the capital of France?", "Write a function that sorts a list of numbers.",
+           "Summarize the following article."]
+MAX_NEW = 20
+
+
+def _ids(target, text):
+    msgs = [{"role": "user", "content": text}]
+    return target.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)["input_ids"]
+
+
+@torch.no_grad()
+def hf_greedy(target, ids, max_new, eos_ids):
+    """The reference: transformers' own greedy decoding (explicit attention mask: the pad id may
+    occur inside a chat prompt, which would otherwise be masked out)."""
+    x = torch.tensor([ids])
+    out = target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
+                                do_sample=False, eos_token_id=sorted(eos_ids) or None,
+                                pad_token_id=target.tokenizer.pad_token_id)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target):
+    """Tiny Llama with the tiny tokenizer whose greedy output varies (see spec/testing.py)."""
+    return varied_target(tiny_target)
+
+
+@pytest.fixture(scope="module")
+def refs(target):
+    eos = SpecEngine(target, None, PRESETS["baseline"]).eos_ids
+    # +8 so oracles can see past the end of what is generated
+    return {p: hf_greedy(target, _ids(target, p), MAX_NEW + 8, eos) for p in PROMPTS}
+
+
+@pytest.fixture(scope="module")
+def random_draft(target):
+    return make_random_draft(target, 64)
+
+
+def test_baseline_equals_hf_greedy(target, refs):
+    engine = SpecEngine(target, None, PRESETS["baseline"])
+    for p in PROMPTS:
+        out, stats = engine.generate(_ids(target, p), MAX_NEW)
+        assert out == refs[p][:MAX_NEW]
+        assert stats["acceptance_length"] == 1.0 and stats["verify_steps"] == len(out) - 1
+
+
+@pytest.mark.parametrize("preset", ["chain", "tree", "tiny"])
+def test_random_draft_is_lossless(target, refs, random_draft, preset):
+    engine = SpecEngine(target, random_draft, PRESETS[preset])
+    for p in PROMPTS:
+        out, stats = engine.generate(_ids(target, p), MAX_NEW)
+        assert out == refs[p][:MAX_NEW], p
+        assert stats["generated_tokens"] == len(out)
+        assert sum(k * v for k, v in stats["accept_hist"].items()) >= len(out) - 1
+
+
+@pytest.mark.parametrize("depth", [1, 3, 5])
+def test_oracle_trees_are_lossless_and_accept(target, refs, depth):
+    """Trees mixing correct/wrong children at every level: partial, full and zero acceptance."""
+    hist_keys = set()
+    for i, p in enumerate(PROMPTS):
+        oracle = OracleDrafter(refs[p], len(target.tokenizer), depth, seed=i)
+        engine = SpecEngine(target, oracle, SpecConfig(depth, 2, 2 * depth + 1))
+        out, stats = engine.generate(_ids(target, p), MAX_NEW)
+        assert out == refs[p][:MAX_NEW], p
+        hist_keys |= set(stats["accept_hist"])
+    assert 1 in hist_keys and max(hist_keys) > 1  # rejections and acceptances both happened
+
+
+def test_full_acceptance_gives_tau_depth_plus_one(target, refs):
+    p = PROMPTS[0]
+    depth, steps = 4, 4
+    assert len(set(refs[p][: 1 + steps * (depth + 1)])) > 1
+    oracle = OracleDrafter(refs[p], len(target.tokenizer), depth, siblings=False, always_correct=True)
+    engine = SpecEngine(target, oracle, PRESETS["chain"])
+    out, stats = engine.generate(_ids(target, p), 1 + steps * (depth + 1))
+    if len(refs[p]) < len(out) or refs[p][: len(out)] != out:
+        pytest.fail("oracle output diverged from greedy")
+    assert stats["finish_reason"] == "length"  # no EOS inside the window
+    assert stats["verify_steps"] == steps and stats["acceptance_length"] == depth + 1
+    assert stats["accept_hist"] == {depth + 1: steps}
+
+
+def test_stream_chunks_concatenate_to_generate(target, random_draft):
+    engine = SpecEngine(target, random_draft, PRESETS["tree"])
+    ids = _ids(target, PROMPTS[1])
+    chunks = list(engine.stream(ids, 17))
+    assert all(isinstance(c, list) and c for c in chunks)
+    out, stats = engine.generate(ids, 17)
+    assert sum(chunks, []) == out and len(out) == 17 and stats["finish_reason"] == "length"
+
+
+def test_max_new_tokens_truncates_an_accepted_chunk(target, refs):
+    p = PROMPTS[2]
+    oracle = OracleDrafter(refs[p], len(target.tokenizer), 4, siblings=False, always_correct=True)
+    engine = SpecEngine(target, oracle, PRESETS["chain"])
+    out, stats = engine.generate(_ids(target, p), 3)  # the first verify step yields 5 tokens
+    assert out == refs[p][:3] and stats["finish_reason"] in ("length", "stop")
+
+
+def test_eos_stops_and_is_included(target, refs, random_draft):
+    p = PROMPTS[0]
+    engine = SpecEngine(target, random_draft, PRESETS["tree"])
+    cut = next(i for i in range(4, MAX_NEW) if refs[p][i] not in refs[p][:i])
+    engine.eos_ids = {refs[p][cut]}  # pretend this token ends the turn
+    out, stats = engine.generate(_ids(target, p), MAX_NEW)
+    assert out == refs[p][: cut + 1] and stats["finish_reason"] == "stop"
+
+
+def test_stop_string_trims_output(target, refs, random_draft):
+    p = PROMPTS[2]
+    tok = target.tokenizer
+    engine = SpecEngine(target, random_draft, PRESETS["chain"])
+    full_text = tok.decode(refs[p][:MAX_NEW], skip_special_tokens=True)
+    stop = full_text[len(full_text) // 2: len(full_text) // 2 + 3]
+    assert stop.strip(), "reference text too short for this test"
+    start = full_text.find(stop)
+    chunks = list(engine.stream(_ids(target, p), MAX_NEW, stop=[stop]))
+    text = tok.decode(sum(chunks, []), skip_special_tokens=True)
+    assert stop not in text and full_text.startswith(text) and len(text) <= start
+    assert engine.last_stats["finish_reason"] == "stop"
+    # held back only what could still become the stop string: nothing beyond a token's worth is lost
+    assert len(tok.decode(refs[p][: len(sum(chunks, [])) + 1], skip_special_tokens=True)) > start
+
+
+def test_bad_arguments(target):
+    engine = SpecEngine(target, None, PRESETS["baseline"])
+    with pytest.raises(ValueError):
+        engine.generate([], 4)
+    with pytest.raises(ValueError):
+        engine.generate([1, 2], 0)
+    with pytest.raises(ValueError):
+        SpecConfig(num_steps=2, eagle_topk=1, num_draft_tokens=5)
