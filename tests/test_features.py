@@ -163,6 +163,18 @@ def test_reader_is_lazy(tmp_path, monkeypatch):
     assert ("shard-00002.safetensors", "aux_hidden") in reads
 
 
+def test_dataset_survives_worker_copy(tmp_path):
+    import pickle  # what a spawn-started DataLoader worker does to the dataset (in memory only)
+
+    samples = _write_dir(tmp_path)
+    ds = ShardDataset([tmp_path])
+    ds[0]
+    copy = pickle.loads(pickle.dumps(ds))
+    assert copy._open == {} and copy[5]["input_ids"].tolist() == samples[5]["input_ids"]
+    batch = next(iter(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=1)))
+    assert batch["id"] == "rec0"
+
+
 def test_write_shard_validates_samples(tmp_path):
     g = torch.Generator().manual_seed(0)
     s = _sample(4, 0, g)
@@ -350,3 +362,34 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tiny_target, tiny_target
 
 
 MANIFEST_NAME = sh.MANIFEST
+
+
+def test_cli_verify_features_names_bad_shard(tmp_path, capsys):
+    from eagle3_platform.cli import main
+
+    _write_dir(tmp_path)
+    assert main(["verify-features", "--dir", str(tmp_path)]) == 0
+    _flip_byte(tmp_path / shard_name(2))
+    assert main(["verify-features", "--dir", str(tmp_path)]) == 2
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["ok"] is False and "shard-00002.safetensors" in last["error"]
+
+
+@pytest.mark.e2e
+def test_extract_smollm2_bytes_per_token(smollm2_dir, tmp_path):
+    from eagle3_platform.target import load_target
+
+    target = load_target(smollm2_dir)
+    conv = _write_conv(tmp_path / "conv.jsonl", _conversations(target, 3))
+    s = extract_file(smollm2_dir, conv, tmp_path / "out", PRESETS["tiny"], target=target)
+    H = target.meta["hidden_size"]
+    assert s["samples"] == 3 and s["budget_bytes_per_token"] == 8 * H == 4608
+    assert 8 * H < s["bytes_per_token"] < 8 * H * 1.2  # states + ids/mask/offsets/header overhead
+    ds = ShardDataset([tmp_path / "out"], expect={"capture_layer_ids": [1, 14, 26],
+                                                  "weights_hash": target.meta["weights_hash"]})
+    item = ds[0]
+    assert item["aux_hidden"].shape == (len(item["input_ids"]), 3 * H)
+    # last_hidden is the post-norm state: the frozen lm_head on it gives the target's logits
+    ids = item["input_ids"][None]
+    ref = target.model(ids).logits[0]
+    torch.testing.assert_close(target.model.lm_head(item["last_hidden"].float()), ref, atol=0.5, rtol=0.05)

@@ -239,6 +239,10 @@ class ShardDataset(torch.utils.data.Dataset):
         self._offsets: dict[int, torch.Tensor] = {}
         self._pid = os.getpid()
 
+    def __getstate__(self) -> dict:
+        # DataLoader workers (spawn) receive a copy: mmap handles are reopened there, never sent
+        return {**self.__dict__, "_open": {}, "_offsets": {}}
+
     def _agree(self, path: Path, got: dict) -> None:
         if not self.header:
             self.header = {k: got[k] for k in HEADER_KEYS}
