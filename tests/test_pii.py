@@ -59,6 +59,7 @@ CLEAN = [
     "The uuid 123e4567-e89b-12d3-a456-426614174000 and md5 5d41402abc4b2a76b9719d911017c592 differ, why?",
     "Use AKIAIOSFODNN7EXAMPLE from the AWS docs and postgres://user:password@localhost/db in the tutorial.",
     "Set the header `Authorization: Bearer YOUR_ACCESS_TOKEN` and read the token from os.environ['API_KEY'].",
+    "Explain list comprehensions in Python, why the linux kernel panics, and when to Return None.",
     "SELECT id, count(*) FROM orders WHERE total > 100.50 GROUP BY id ORDER BY 2 DESC LIMIT 10;",
 ]
 

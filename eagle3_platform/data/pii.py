@@ -99,6 +99,20 @@ TECH_TERMS = frozenset(t.lower() for t in (
     "Excel Tableau Unity Unreal Blender Figma Slack Discord Notion Jira Chrome Firefox Safari Arduino "
     "ChatGPT GPT OpenAI Copilot Lambda Selenium Vim Emacs Markdown LaTeX HTML CSS JSON YAML CI CD API SDK"
 ).split()) | {"raspberry pi", "visual studio", "vs code", "next.js", "node.js", "ruby on rails"}
+_PARTICLES = frozenset("the of de da del della di du la le van von der den bin al el y".split())
+_CODE_WORDS = frozenset("none true false null return self def class import print else elif lambda".split())
+
+
+def _proper_noun_span(span: str) -> bool:
+    """Names and places are capitalised words: "integer part", "linux kernel", "Return None" are not."""
+    if not _NER_SPAN.match(span) or span.lower() in TECH_TERMS:
+        return False
+    words = span.split()
+    if any(w.lower() in _CODE_WORDS for w in words):
+        return False
+    return words[-1][0].isupper() and all(w[0].isupper() or w.lower() in _PARTICLES for w in words)
+
+
 _SSN_SHAPE = re.compile(r"^\d{3}-\d{2}-\d{4}$")
 
 
@@ -230,8 +244,8 @@ class PiiScanner:
 
     def _keep(self, r: RecognizerResult, text: str) -> bool:
         span = text[r.start:r.end]
-        if r.entity_type in NER_ENTITIES and (not _NER_SPAN.match(span) or span.lower() in TECH_TERMS):
-            return False  # the small model tags tokens, key material, languages, tools as names/places
+        if r.entity_type in NER_ENTITIES and not _proper_noun_span(span):
+            return False  # the small model tags tokens, key material, code, languages as names/places
         if r.entity_type == "PERSON":
             return len(span.split()) >= self.cfg.min_person_tokens
         if r.entity_type == "PHONE_NUMBER":
