@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from eagle3_platform.draft.metrics import simulated_acceptance
 from eagle3_platform.draft.model import DraftConfig, Eagle3Draft, build_draft, target_head_weights, \
     target_hf_config
-from eagle3_platform.draft.ttt import TTTLoss, batch_targets, collate
+from eagle3_platform.draft.ttt import TTTLoss, batch_targets, collate, step_masks
 from eagle3_platform.draft.vocab import load_vocab, save_vocab, vocab_from_features
 
 DRAFT_WEIGHTS, DRAFT_CONFIG, METRICS, VOCAB = "draft.safetensors", "draft_config.json", "metrics.json", \
@@ -167,23 +167,30 @@ def load_checkpoint(path: Path, draft: Eagle3Draft, opt: torch.optim.Optimizer) 
 # ---- evaluation ----------------------------------------------------------------------------------
 @torch.no_grad()
 def evaluate(draft: Eagle3Draft, ds, indices: list[int], lm_head: torch.Tensor, cfg: TrainConfig) -> dict:
-    """Per-step top-1 accuracy acc_k (draft argmax == target top-1, on supervised positions) and the
-    simulated acceptance length computed from it."""
-    loss_fn = TTTLoss(draft, cfg.ttt_steps)
-    correct = torch.zeros(cfg.ttt_steps, dtype=torch.int64)
-    counted = torch.zeros(cfg.ttt_steps, dtype=torch.int64)
+    """Per-step top-1 accuracy acc_k over ALL response positions (loss_mask[t+2+k] = 1): a hit needs the
+    draft's argmax to be the target's top-1, so positions whose target top-1 lies outside the draft vocab
+    count as misses — as they are at inference. acc_in_vocab_k is the training-loss view (those
+    positions excluded). simulated_acceptance uses acc_k."""
+    K = cfg.ttt_steps
+    loss_fn = TTTLoss(draft, K)
+    correct, counted, counted_iv = (torch.zeros(K, dtype=torch.int64) for _ in range(3))
     loss_sum, n_batches = 0.0, 0
-    for chunk in batch_plan([len(ds[i]["input_ids"]) for i in indices], replace(cfg, epochs=1, max_steps=None)):
+    lengths = [len(ds[i]["input_ids"]) for i in indices]
+    for chunk in batch_plan(lengths, replace(cfg, epochs=1, max_steps=None)):
         batch = collate([ds[indices[i]] for i in chunk], cfg.max_len)
-        tlogp, masks = batch_targets(batch, lm_head, draft, cfg.ttt_steps)
+        tlogp, masks = batch_targets(batch, lm_head, draft, K)
+        all_resp = step_masks(batch.loss_mask, torch.ones_like(batch.loss_mask), K)
         denom = torch.stack([m.sum() for m in masks])
         loss, c, n = loss_fn(batch.aux_hidden, batch.input_ids, tlogp, masks, denom)
         correct += c
-        counted += n
+        counted_iv += n
+        counted += torch.stack([m.sum() for m in all_resp])
         loss_sum, n_batches = loss_sum + float(loss), n_batches + 1
     acc = [float(c) / max(1, int(n)) for c, n in zip(correct, counted)]
-    return {"acc": acc, "supervised": counted.tolist(), "loss": loss_sum / max(1, n_batches),
-            "simulated_acceptance": simulated_acceptance(acc), "samples": len(indices)}
+    return {"acc": acc, "acc_in_vocab": [float(c) / max(1, int(n)) for c, n in zip(correct, counted_iv)],
+            "response_positions": counted.tolist(), "supervised": counted_iv.tolist(),
+            "loss": loss_sum / max(1, n_batches), "simulated_acceptance": simulated_acceptance(acc),
+            "samples": len(indices)}
 
 
 # ---- training ------------------------------------------------------------------------------------
@@ -278,6 +285,7 @@ def train(target_dir, feature_dirs, out_dir, cfg: TrainConfig, resume: bool = Fa
         tokens += int(all_sum(batch.lengths.sum() if local else torch.tensor(0)))
         if (step + 1) % cfg.log_every == 0 or step + 1 == total:
             acc = (acc_c / acc_n.clamp(min=1)).tolist()
+            # training view: acc over supervised positions (target top-1 in the draft vocab)
             history.append({"step": step + 1, "loss": loss_acc / n_acc, "lr": lr_at(step, total, cfg),
                             "acc": acc, "simulated_acceptance": simulated_acceptance(acc)})
             bar.set_postfix(loss=f"{loss_acc / n_acc:.3f}", acc0=f"{acc[0]:.3f}")

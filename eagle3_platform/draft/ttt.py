@@ -165,14 +165,14 @@ class TTTLoss(nn.Module):
     scale: world size (DDP averages gradients over ranks, so loss·world/global_count gives exactly the
     single-process gradient of the global batch)."""
 
-    def __init__(self, draft: Eagle3Draft, K: int):
+    def __init__(self, draft: Eagle3Draft, K: int, attention: AttentionFn = ttt_attention):
         super().__init__()
-        self.draft, self.K = draft, K
+        self.draft, self.K, self.attention = draft, K, attention
 
     def forward(self, aux_hidden, input_ids, teacher_logp, masks, denominators, scale: float = 1.0):
         loss = aux_hidden.new_zeros((), dtype=torch.float32)
         correct, counted = [], []
-        for k, logits in ttt_forward(self.draft, aux_hidden, input_ids, self.K):
+        for k, logits in ttt_forward(self.draft, aux_hidden, input_ids, self.K, self.attention):
             ce, hit = step_terms(k, logits, teacher_logp, masks[k])
             loss = loss + STEP_WEIGHT_DECAY ** k * ce.sum() / denominators[k].clamp(min=1)
             correct.append(hit.sum())
