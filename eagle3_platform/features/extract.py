@@ -43,6 +43,12 @@ class FeatureConfig:
     target_dtype: str = "float32"  # dtype the target runs in
     device: str = "auto"  # "auto" = cuda when available, else cpu
 
+    def __post_init__(self):
+        if self.samples_per_shard < 1 or self.max_length < 1:
+            raise ValueError(f"samples_per_shard and max_length must be >= 1: {self}")
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(f"feature dtype {self.dtype!r}: expected bfloat16, float16 or float32")
+
 
 PRESETS: dict[str, FeatureConfig] = {
     "tiny": FeatureConfig(samples_per_shard=4, max_length=256, batch_tokens=0),
@@ -163,7 +169,8 @@ class _Sink:
         return f"{self.prefix}/{name}" if self.prefix else name
 
     def uri(self, name: str) -> str:
-        return self.storage.uri(self.key(name)) if self.storage else str((self.local / name).resolve())
+        # local dirs: the key relative to the manifest, so a dir can be moved/copied and stays valid
+        return self.storage.uri(self.key(name)) if self.storage else name
 
     def previous_rows(self) -> dict[str, dict]:
         """Manifest rows of the last run (stored copy wins when mirrored)."""
@@ -230,23 +237,7 @@ def extract_file(target_dir: str | Path, conv_path: str | Path, out_dir: str | P
     sink.publish(REJECTED)
     n = cfg.samples_per_shard
     slices = [samples[i:i + n] for i in range(0, len(samples), n)]
-    previous = sink.previous_rows()
-    rows, written, skipped = [], [], []
-    for k, chunk in enumerate(slices):
-        name, ids = shard_name(k), [s["id"] for s in chunk]
-        if _reusable(sink, name, previous.get(name), header, ids):
-            rows.append(previous[name])
-            skipped.append(name)
-            _log(f"shard {k + 1}/{len(slices)} {name}: verified, kept")
-            continue
-        t = time.perf_counter()
-        row = write_shard(local / name, compute_features(target, chunk, cfg), header)
-        sink.publish(name)
-        rows.append({**row, "uri": sink.uri(name)})
-        written.append(name)
-        _commit_manifest(sink, rows, previous, k)
-        _log(f"shard {k + 1}/{len(slices)} {name}: {row['samples']} samples, {row['tokens']} tokens, "
-             f"{time.perf_counter() - t:.1f}s")
+    rows, written, skipped = _run_shards(target, cfg, header, sink, slices)
     _remove_stale(local, len(slices))
     _commit_manifest(sink, rows, {}, len(slices))
     summary = _summary(sink, header, stats, rows, rejected, written, skipped, time.perf_counter() - t0)
@@ -254,6 +245,36 @@ def extract_file(target_dir: str | Path, conv_path: str | Path, out_dir: str | P
     itemsize = torch.empty(0, dtype=getattr(torch, cfg.dtype)).element_size()
     summary["budget_bytes_per_token"] = itemsize * (len(header["capture_layer_ids"]) + 1) * target.meta["hidden_size"]
     return summary
+
+
+def _run_shards(target, cfg, header, sink, slices) -> tuple[list[dict], list[str], list[str]]:
+    """Shard k = slices[k]: kept when an earlier run finished it, computed otherwise."""
+    previous = sink.previous_rows()
+    rows, written, skipped = [], [], []
+    todo_tokens = sum(len(s["input_ids"]) for chunk in slices for s in chunk)
+    done_tokens, t_compute, total = 0, 0.0, len(slices)
+    for k, chunk in enumerate(slices):
+        name, ids = shard_name(k), [s["id"] for s in chunk]
+        chunk_tokens = sum(len(s["input_ids"]) for s in chunk)
+        if _reusable(sink, name, previous.get(name), header, ids):
+            rows.append(previous[name])
+            skipped.append(name)
+            todo_tokens -= chunk_tokens
+            _log(f"shard {k + 1}/{total} {name}: verified, kept")
+            continue
+        t = time.perf_counter()
+        row = write_shard(sink.local / name, compute_features(target, chunk, cfg), header)
+        sink.publish(name)
+        rows.append({**row, "uri": sink.uri(name)})
+        written.append(name)
+        _commit_manifest(sink, rows, previous, k)
+        t_compute += time.perf_counter() - t
+        done_tokens += chunk_tokens
+        rate = done_tokens / max(t_compute, 1e-9)
+        _log(f"shard {k + 1}/{total} {name}: {row['samples']} samples, {row['tokens']} tokens, "
+             f"{time.perf_counter() - t:.1f}s; {rate:.0f} tok/s, "
+             f"eta {(todo_tokens - done_tokens) / rate:.0f}s")
+    return rows, written, skipped
 
 
 def _commit_manifest(sink: _Sink, rows: list[dict], previous: dict, upto: int) -> None:
@@ -286,5 +307,6 @@ def _summary(sink, header, stats, rows, rejected, written, skipped, seconds) -> 
             "by_reason": by_reason, "truncated": stats["truncated"], "shards": len(rows),
             "shards_written": len(written), "shards_skipped": len(skipped), "tokens": tokens,
             "bytes": nbytes, "bytes_per_token": round(nbytes / tokens, 1) if tokens else None,
-            "manifest": sink.uri(MANIFEST), "out": sink.uri(""),
+            "manifest": sink.uri(MANIFEST) if sink.storage else str(sink.local / MANIFEST),
+            "out": sink.uri("") if sink.storage else str(sink.local),
             "header": header, "seconds": round(seconds, 2)}

@@ -141,8 +141,9 @@ def write_manifest(directory: str | Path, rows: list[dict]) -> Path:
     schema = {"shard": pl.String, "uri": pl.String, "samples": pl.Int64, "tokens": pl.Int64,
               "sha256": pl.String, "bytes": pl.Int64, "ids": pl.List(pl.String)}
     rows = sorted(rows, key=lambda r: r["shard"])
-    df = pl.DataFrame([{k: r.get(k, str(Path(directory) / r["shard"]) if k == "uri" else None)
-                        for k in schema} for r in rows], schema=schema)
+    # uri: where the shard was published (storage URI), else its key relative to this manifest
+    df = pl.DataFrame([{k: r.get(k, r["shard"] if k == "uri" else None) for k in schema} for r in rows],
+                      schema=schema)
     tmp = path.with_name(path.name + ".tmp")
     df.write_parquet(tmp)
     with open(tmp, "rb") as f:
