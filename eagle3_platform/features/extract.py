@@ -77,16 +77,20 @@ def target_header(target: Target, cfg: FeatureConfig) -> dict:
 
 # ---------------------------------------------------------------- reading + accounting
 
-def load_records(conv_path: str | Path, header: dict, max_length: int) -> tuple[list[dict], list[Rejection], dict]:
+def load_records(conv_path: str | Path, header: dict, max_length: int,
+                 vocab_size: int | None = None) -> tuple[list[dict], list[Rejection], dict]:
     """Accepted samples {id, input_ids, loss_mask} (truncated to max_length), rejections, counters."""
     samples, rejected, stats = [], [], {"read": 0, "truncated": 0}
+    seen: set[str] = set()
     with open(conv_path, "rb") as f:
         lines = f.read().split(b"\n")
     for n, line in enumerate(lines):
         if not line.strip():
             continue
         stats["read"] += 1
-        rec, reason = _parse(line, header)
+        rec, reason = _parse(line, header, vocab_size)
+        if not reason and rec.id in seen:
+            reason = "dup"  # one sample per record id: ids name samples in shards and manifests
         if not reason and len(rec.input_ids) > max_length:
             stats["truncated"] += 1
             rec.input_ids, rec.loss_mask = rec.input_ids[:max_length], rec.loss_mask[:max_length]
@@ -96,11 +100,12 @@ def load_records(conv_path: str | Path, header: dict, max_length: int) -> tuple[
             rid, wl, src = (rec.id, rec.workload, rec.source) if rec else (f"line{n + 1}", "", str(conv_path))
             rejected.append(Rejection(id=rid, workload=wl, source=src, stage=STAGE, reason=reason))
             continue
+        seen.add(rec.id)
         samples.append({"id": rec.id, "input_ids": rec.input_ids, "loss_mask": rec.loss_mask})
     return samples, rejected, stats
 
 
-def _parse(line: bytes, header: dict) -> tuple[ConversationRecord | None, str]:
+def _parse(line: bytes, header: dict, vocab_size: int | None) -> tuple[ConversationRecord | None, str]:
     try:
         rec = ConversationRecord.model_validate_json(line)
     except ValidationError as e:
@@ -116,6 +121,8 @@ def _parse(line: bytes, header: dict) -> tuple[ConversationRecord | None, str]:
         return rec, "bad:mask_length"
     if not any(rec.loss_mask):
         return rec, "bad:no_response"
+    if vocab_size and not all(0 <= t < vocab_size for t in rec.input_ids):
+        return rec, "bad:token_id"  # not this target's vocabulary
     return rec, ""
 
 
@@ -232,7 +239,7 @@ def extract_file(target_dir: str | Path, conv_path: str | Path, out_dir: str | P
     header = target_header(target, cfg)
     local, storage, prefix = _resolve_out(out_dir, storage, prefix)
     sink = _Sink(local, storage, prefix)
-    samples, rejected, stats = load_records(conv_path, header, cfg.max_length)
+    samples, rejected, stats = load_records(conv_path, header, cfg.max_length, target.meta["vocab_size"])
     write_jsonl_atomic(local / REJECTED, rejected)
     sink.publish(REJECTED)
     n = cfg.samples_per_shard
