@@ -78,3 +78,20 @@ def test_gcs_file_publish_and_fetch(gcs_resource):
     assert not stage.exists()
     assert gcs_resource.fetch("code/filtered_prompts/train/kept.jsonl").read_text() == '{"id": "a"}\n'
     assert gcs_resource.exists("code/filtered_prompts/train/rejected.jsonl")
+
+
+def test_partition_materializes_against_gcs(gcs_resource, tiny_target_dir):
+    """Same assets, same code path, GCS storage: artifacts land in the bucket, metadata shows gs:// URIs."""
+    from dagster import DagsterInstance
+
+    from tests.dagster_helpers import check_prompts_and_responses, meta, run, tiny_resources
+
+    res = tiny_resources(gcs_resource, tiny_target_dir)
+    with DagsterInstance.ephemeral() as instance:
+        result = run(["filtered_prompts", "target_responses"], res, instance, "code")
+    check_prompts_and_responses(gcs_resource, result, "code")
+    assert meta(result, "filtered_prompts")["kept_uri"].startswith(f"gs://{BUCKET}/")
+    assert meta(result, "target_responses")["conversations_uri"].startswith(f"gs://{BUCKET}/")
+    keys = gcs_resource.list("code")
+    assert "code/target_responses/train/conversations.jsonl" in keys
+    assert "code/filtered_prompts/eval/kept.jsonl" in keys

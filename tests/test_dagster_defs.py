@@ -1,0 +1,82 @@
+"""The Dagster definitions load: as the code location `dagster dev -w workspace.yaml` loads, and
+in-process (graph, partitions, jobs, checks, sensors, resources, environment selection)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ASSETS = {"workload_sources", "filtered_prompts", "target_responses", "feature_shards", "draft_vocab",
+          "draft_head", "deployment", "benchmark_report"}
+
+
+def test_definitions_resolve_in_process():
+    from dagster import AssetKey
+
+    from definitions import defs
+
+    graph = defs.resolve_asset_graph()
+    assert {k.to_user_string() for k in graph.get_all_asset_keys()} == ASSETS
+    part = graph.get(AssetKey("filtered_prompts")).partitions_def
+    assert part.get_partition_keys() == ["chat", "multi_turn", "code", "math", "long_context"]
+    for name in ("target_responses", "feature_shards"):
+        assert graph.get(AssetKey(name)).partitions_def == part
+    for name in ("draft_vocab", "draft_head", "deployment", "benchmark_report"):
+        assert graph.get(AssetKey(name)).partitions_def is None
+    # lineage: the chain the design describes
+    assert AssetKey("workload_sources") in graph.get(AssetKey("filtered_prompts")).parent_keys
+    assert AssetKey("feature_shards") in graph.get(AssetKey("draft_vocab")).parent_keys
+    assert {AssetKey("draft_vocab"), AssetKey("feature_shards")} <= graph.get(AssetKey("draft_head")).parent_keys
+    checks = {(c.asset_key.to_user_string(), c.name) for c in graph.asset_check_keys}
+    assert ("draft_head", "draft_head_acceptance") in checks
+    assert ("feature_shards", "shards_verify") in checks
+    for job in ("workload_refresh", "draft_retrain", "deploy_and_benchmark"):
+        assert defs.resolve_job_def(job) is not None
+    assert {s.name for s in defs.sensors} == {"workload_sources_sensor", "draft_retrain_sensor"}
+    assert set(defs.resources) >= {"storage", "target", "preset", "compute", "serving"}
+
+
+def test_environment_selection(monkeypatch):
+    from resources import GCSStorageResource, LocalStorageResource, build_resources
+
+    monkeypatch.delenv("EAGLE3_ENV", raising=False)
+    assert isinstance(build_resources()["storage"], LocalStorageResource)
+    monkeypatch.setenv("EAGLE3_ENV", "gcp")
+    monkeypatch.setenv("EAGLE3_GCS_BUCKET", "b")
+    res = build_resources(preset="tiny", target="tiny-random")
+    assert isinstance(res["storage"], GCSStorageResource) and res["storage"].bucket == "b"
+    assert res["preset"].name == "tiny" and res["target"].model == "tiny-random"
+    monkeypatch.delenv("EAGLE3_GCS_BUCKET")
+    with pytest.raises(ValueError, match="EAGLE3_GCS_BUCKET"):
+        build_resources()
+    monkeypatch.setenv("EAGLE3_ENV", "moon")
+    with pytest.raises(ValueError, match="EAGLE3_ENV"):
+        build_resources()
+
+
+def test_preset_resource_reads_area_configs():
+    from resources.preset import area_config
+
+    assert area_config("tiny", "sources").limit is not None
+    assert area_config("tiny", "train").draft_vocab_size > 0
+    with pytest.raises(ValueError, match="unknown preset"):
+        area_config("huge", "train")
+
+
+@pytest.mark.integration
+def test_dagster_definitions_validate_cli(tmp_path):
+    from resources.instance import ensure_dagster_home
+
+    env = {**os.environ, "DAGSTER_HOME": str(tmp_path / "dh")}
+    old = os.environ.get("DAGSTER_HOME")
+    try:
+        home = ensure_dagster_home(tmp_path / "dh")
+    finally:
+        os.environ.pop("DAGSTER_HOME") if old is None else os.environ.__setitem__("DAGSTER_HOME", old)
+    assert "enabled: false" in (home / "dagster.yaml").read_text()
+    r = subprocess.run([sys.executable, "-m", "dagster", "definitions", "validate", "-w", "workspace.yaml"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Validation successful" in r.stderr + r.stdout
