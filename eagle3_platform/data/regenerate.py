@@ -42,6 +42,7 @@ class RegenConfig:
     max_length: int  # prompt + response token budget of a whole rendered conversation
     concurrency: int  # endpoint: conversations in flight
     dtype: str = "float32"  # local target weights
+    torch_threads: int = 0  # local: >0 pins torch's intra-op threads (tiny ops drown in thread sync on a busy box)
     request_timeout_s: float = 600.0
     max_retries: int = 5
     backoff_s: float = 0.5
@@ -50,7 +51,7 @@ class RegenConfig:
 
 PRESETS: dict[str, RegenConfig] = {
     "tiny": RegenConfig(max_new_tokens=16, batch_size=4, do_sample=False, temperature=0.0, top_p=1.0,
-                        seed=0, max_length=512, concurrency=2, progress_every_s=2.0),
+                        seed=0, max_length=512, concurrency=2, torch_threads=1, progress_every_s=2.0),
     # The whole demo graph must fit in ~20 min on 2 CPU cores: short greedy answers.
     "demo": RegenConfig(max_new_tokens=80, batch_size=8, do_sample=False, temperature=0.0, top_p=1.0,
                         seed=0, max_length=1024, concurrency=4),
@@ -264,6 +265,9 @@ def run_local(target_dir, convos: list[Convo], turns: Turns, cfg: RegenConfig, d
             emit(c)
     live = [c for c in convos if c.reject is None]
     if not all(c.rec.id in done for c in live):
+        if cfg.torch_threads > 0:
+            import torch
+            torch.set_num_threads(cfg.torch_threads)
         target = load_target(target_dir, dtype=cfg.dtype)
         plan = sorted(live, key=lambda c: len(render_prompt(turns.tok, c.segments[0])))  # stable
         for i in range(0, len(plan), cfg.batch_size):

@@ -1,0 +1,350 @@
+"""Regeneration by the target: local batched path, OpenAI-endpoint path, scanning, budgets, resume."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3_platform.data.chat import render, render_prompt, template_hash
+from eagle3_platform.data.local_gen import Sampling, generate_batch
+from eagle3_platform.data.regenerate import PRESETS, regenerate_file
+from eagle3_platform.records import ConversationRecord, Rejection, read_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = replace(PRESETS["tiny"], max_new_tokens=8, progress_every_s=60.0)
+FAST_RETRY = replace(TINY, backoff_s=0.01, max_retries=3, concurrency=3)
+
+
+def prompt_record(i: int, users: list[str], system: str | None = None) -> dict:
+    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": u} for u in users]
+    return {"id": f"rec{i:03d}", "workload": "chat", "source": "test", "license": "mit", "messages": msgs,
+            "n_chars": sum(len(u) for u in users)}
+
+
+def write_prompts(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def mixed_prompts(n: int) -> list[dict]:
+    """Single- and multi-turn conversations of varied lengths (some with a system prompt)."""
+    rows = []
+    for i in range(n):
+        users = [f"Question {i}: what is {i} plus {i * 3}?" + " Explain." * (i % 4)]
+        if i % 3 == 1:
+            users.append("And times two?")
+        if i % 5 == 2:
+            users += ["Why?", "Write a function that sorts a list."]
+        rows.append(prompt_record(i, users, system="Be brief." if i % 2 else None))
+    return rows
+
+
+class NoScan:
+    def scan(self, text):
+        return []
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_target_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_target_dir)
+
+
+def check_records(rows: list[dict], prompts: list[dict], tok, target_id: str) -> None:
+    """Every record valid, ids/mask exactly render(messages), one answer per user turn."""
+    by_id = {p["id"]: p for p in prompts}
+    for row in rows:
+        rec = ConversationRecord.model_validate(row)
+        src = by_id[rec.id]
+        users = [m["content"] for m in src["messages"] if m["role"] == "user"]
+        roles = [m.role for m in rec.messages]
+        assert [m.content for m in rec.messages if m.role == "user"] == users[: roles.count("user")]
+        assert roles.count("assistant") == roles.count("user") == len(users) - rec.generation["dropped_turns"]
+        assert roles[-1] == "assistant"
+        assert (rec.input_ids, rec.loss_mask) == render(tok, [m.model_dump() for m in rec.messages])
+        assert sum(rec.loss_mask) > 0
+        assert rec.template_hash == template_hash(tok) and rec.target_id == target_id
+        assert len(rec.generation["finish_reasons"]) == roles.count("assistant")
+
+
+# ------------------------------------------------------------------------------------ local path
+
+def test_local_single_and_multi_turn(tiny_target_dir, tok, tmp_path):
+    prompts = mixed_prompts(7)
+    inp = write_prompts(tmp_path / "in.jsonl", prompts)
+    s = regenerate_file(tiny_target_dir, inp, tmp_path / "out.jsonl", TINY, scanner=NoScan())
+    assert (s["read"], s["written"], s["rejected"]) == (7, 7, 0)
+    rows = list(read_jsonl(tmp_path / "out.jsonl"))
+    assert sorted(r["id"] for r in rows) == sorted(p["id"] for p in prompts)
+    check_records(rows, prompts, tok, "tiny-random")
+    multi = [r for r in rows if sum(m["role"] == "user" for m in r["messages"]) == 3]
+    assert multi and all(r["generation"]["mode"] == "local" for r in rows)
+    assert s["new_tokens"] == sum(sum(r["generation"]["new_tokens"]) for r in rows)
+
+
+def test_batched_greedy_equals_per_prompt_generate(tiny_target, tok):
+    """Left padding + dropping finished rows must not change any row's greedy tokens."""
+    model = tiny_target.model
+    prompts = [render_prompt(tok, [{"role": "user", "content": u}]) for u in
+               ["Hi", "What is the capital of France? Explain step by step.", "Solve: x + 3 = 7", "def add(a, b):"]]
+    budgets = [5, 12, 3, 9]  # rows leave the batch at different steps
+    got = generate_batch(model, prompts, budgets, {tok.eos_token_id}, tok.pad_token_id)
+    for p, n, g in zip(prompts, budgets, got):
+        ref = model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[0, len(p):].tolist()
+        assert g.tokens == ref
+        assert g.finish_reason == ("stop" if ref[-1] == tok.eos_token_id else "length")
+        assert len(g.tokens) <= n
+
+
+def test_sampling_is_per_record_not_per_batch(tiny_target, tok):
+    """A record's sampled answer depends on its own seed, not on which records share its batch."""
+    prompts = [render_prompt(tok, [{"role": "user", "content": f"Tell me about {w}."}]) for w in ("dogs", "the sea", "x")]
+    s = Sampling(do_sample=True, temperature=1.0, top_p=0.9)
+    together = generate_batch(tiny_target.model, prompts, [10] * 3, set(), tok.pad_token_id, s, seeds=[1, 2, 3])
+    alone = [generate_batch(tiny_target.model, [p], [10], set(), tok.pad_token_id, s, seeds=[seed])[0]
+             for p, seed in zip(prompts, [1, 2, 3])]
+    assert [g.tokens for g in together] == [g.tokens for g in alone]
+    other = generate_batch(tiny_target.model, prompts[:1], [10], set(), tok.pad_token_id, s, seeds=[99])[0]
+    assert other.tokens != together[0].tokens  # the seed matters
+
+
+def test_budget_too_long_and_dropped_turns(tiny_target_dir, tok, tmp_path):
+    long_text = "The quick brown fox jumps over the lazy dog. " * 20
+    prompts = [prompt_record(0, [long_text]),  # cannot fit one answer
+               prompt_record(1, ["Hi", long_text[:300], "And now?"]),  # later turns run out of budget
+               prompt_record(2, ["Hi"])]
+    cfg = replace(TINY, max_length=len(render_prompt(tok, prompts[1]["messages"][:1])) + 60)
+    inp = write_prompts(tmp_path / "in.jsonl", prompts)
+    s = regenerate_file(tiny_target_dir, inp, tmp_path / "out.jsonl", cfg, scanner=NoScan())
+    assert (s["read"], s["written"], s["rejected"]) == (3, 2, 1)
+    assert s["by_reason"] == {"bad:too_long": 1}
+    rows = {r["id"]: r for r in read_jsonl(tmp_path / "out.jsonl")}
+    assert rows["rec001"]["generation"]["dropped_turns"] >= 1
+    check_records(list(rows.values()), prompts, tok, "tiny-random")
+    assert all(len(r["input_ids"]) <= cfg.max_length for r in rows.values())
+
+
+def test_bad_rows_are_rejected_and_accounted(tiny_target_dir, tmp_path):
+    rows = [prompt_record(0, ["Hi"]), {"id": "broken", "workload": "chat", "messages": "not a list"},
+            {**prompt_record(2, []), "messages": [{"role": "system", "content": "only a system turn"}]}]
+    inp = write_prompts(tmp_path / "in.jsonl", rows)
+    s = regenerate_file(tiny_target_dir, inp, tmp_path / "out.jsonl", TINY, scanner=NoScan(),
+                        rejected_path=tmp_path / "rej.jsonl")
+    assert (s["read"], s["written"], s["rejected"]) == (3, 1, 2)
+    assert s["by_reason"] == {"bad:role_order": 1, "bad:schema": 1}
+    for r in read_jsonl(tmp_path / "rej.jsonl"):
+        Rejection.model_validate(r)
+
+
+def test_rerun_is_a_noop_and_foreign_output_is_refused(tiny_target_dir, tmp_path):
+    prompts = mixed_prompts(3)
+    inp = write_prompts(tmp_path / "in.jsonl", prompts)
+    out = tmp_path / "out.jsonl"
+    regenerate_file(tiny_target_dir, inp, out, TINY, scanner=NoScan())
+    before = out.read_bytes()
+    s = regenerate_file(tiny_target_dir, inp, out, TINY, scanner=NoScan())
+    assert s["resumed"] == 3 and s["new_tokens"] == 0 and out.read_bytes() == before
+    other = write_prompts(tmp_path / "other.jsonl", [prompt_record(50, ["Hi"])])
+    with pytest.raises(ValueError, match="not in"):
+        regenerate_file(tiny_target_dir, other, out, TINY, scanner=NoScan())
+
+
+# --------------------------------------------------------------------------------- endpoint path
+
+class FakeOpenAI:
+    """A tiny OpenAI-compatible server on 127.0.0.1 (port 0) that records requests and concurrency."""
+
+    def __init__(self, fail_first: int = 0, delay_s: float = 0.05):
+        self.requests: list[dict] = []
+        self.inflight = self.max_inflight = 0
+        self.fail_left = fail_first
+        self.delay_s = delay_s
+        self.lock = threading.Lock()
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(timeout=5)
+
+    def answer(self, body: dict) -> tuple[int, dict]:
+        last = body["messages"][-1]["content"]
+        if "REFUSE" in last:
+            return 400, {"error": {"message": "bad request"}}
+        turn = sum(m["role"] == "assistant" for m in body["messages"])
+        content = f"Answer {turn} to {last}"
+        if "EMAIL" in last:
+            content = "Mail me at jane.roe@example.org any time."
+        if "SECRET" in last:
+            content = "Use the key AKIAZ3Q5XK7TBN2PLMQW for that."
+        return 200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                                  "finish_reason": "stop"}],
+                     "usage": {"completion_tokens": len(content.split())}}
+
+    def _handler(self):
+        srv = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _send(self, code: int, obj: dict) -> None:
+                data = json.dumps(obj).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._send(200, {"object": "list", "data": [{"id": "served-tiny", "object": "model"}]})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with srv.lock:
+                    srv.inflight += 1
+                    srv.max_inflight = max(srv.max_inflight, srv.inflight)
+                    fail = srv.fail_left > 0
+                    srv.fail_left -= int(fail)
+                    srv.requests.append({**body, "auth": self.headers.get("Authorization")})
+                try:
+                    time.sleep(srv.delay_s)
+                    self._send(*((503, {"error": "overloaded"}) if fail else srv.answer(body)))
+                finally:
+                    with srv.lock:
+                        srv.inflight -= 1
+
+        return H
+
+
+@pytest.fixture
+def fake_server():
+    srv = FakeOpenAI(fail_first=2)
+    yield srv
+    srv.stop()
+
+
+def test_endpoint_multi_turn_concurrency_and_retries(tiny_target_dir, tok, tmp_path, fake_server):
+    prompts = mixed_prompts(12)
+    inp = write_prompts(tmp_path / "in.jsonl", prompts)
+    s = regenerate_file(tiny_target_dir, inp, tmp_path / "out.jsonl", FAST_RETRY, endpoint=fake_server.url + "/v1",
+                        scanner=NoScan(), api_key="sk-test")
+    assert (s["read"], s["written"], s["rejected"]) == (12, 12, 0)
+    rows = list(read_jsonl(tmp_path / "out.jsonl"))
+    check_records(rows, prompts, tok, "tiny-random")
+    n_turns = sum(sum(m["role"] == "user" for m in p["messages"]) for p in prompts)
+    assert len(fake_server.requests) == n_turns + 2  # two 503s were retried
+    assert 1 < fake_server.max_inflight <= FAST_RETRY.concurrency  # concurrent, and bounded
+    req = fake_server.requests[-1]
+    assert req["model"] == "served-tiny" and req["auth"] == "Bearer sk-test" and req["temperature"] == 0.0
+    # multi-turn: turn k is asked with the endpoint's own earlier answers in the history
+    for r in rows:
+        assistants = [m["content"] for m in r["messages"] if m["role"] == "assistant"]
+        users = [m["content"] for m in r["messages"] if m["role"] == "user"]
+        assert assistants == [f"Answer {k} to {u}" for k, u in enumerate(users)]
+        assert r["generation"]["mode"] == "endpoint" and "sk-test" not in json.dumps(r)
+
+
+def test_endpoint_refusal_and_response_pii_are_rejected(tiny_target_dir, tmp_path, fake_server):
+    from eagle3_platform.data.pii import PiiScanner
+
+    prompts = [prompt_record(0, ["fine question"]), prompt_record(1, ["please REFUSE"]),
+               prompt_record(2, ["Hi", "give me an EMAIL"]), prompt_record(3, ["tell me a SECRET"])]
+    inp = write_prompts(tmp_path / "in.jsonl", prompts)
+    s = regenerate_file(tiny_target_dir, inp, tmp_path / "out.jsonl", FAST_RETRY, endpoint=fake_server.url,
+                        rejected_path=tmp_path / "rej.jsonl", scanner=PiiScanner(nlp="patterns"))
+    assert (s["read"], s["written"], s["rejected"]) == (4, 1, 3)
+    assert s["by_reason"] == {"dlp_response:AWS_ACCESS_KEY": 1, "endpoint:400": 1, "pii_response:EMAIL_ADDRESS": 1}
+    text = (tmp_path / "rej.jsonl").read_text()
+    assert "jane.roe" not in text and "AKIA" not in text  # reasons only, never the response text
+
+
+def test_endpoint_down_fails_loudly_and_resumes(tiny_target_dir, tmp_path):
+    inp = write_prompts(tmp_path / "in.jsonl", mixed_prompts(2))
+    dead = FakeOpenAI()
+    url = dead.url
+    dead.stop()  # nothing listens there any more
+    with pytest.raises(RuntimeError, match="unreachable"):
+        regenerate_file(tiny_target_dir, inp, tmp_path / "out.jsonl", replace(FAST_RETRY, max_retries=1),
+                        endpoint=url, scanner=NoScan())
+    assert not (tmp_path / "out.jsonl").read_text()  # nothing half-done was written
+
+
+# ----------------------------------------------------------------------------- resume after SIGKILL
+
+def _cli(inp: Path, out: Path, target: Path) -> list[str]:
+    # sampled (per-record seeds) so that every record's answer differs: a lost, duplicated or
+    # mismatched record cannot hide behind identical outputs of the tiny random model
+    return [sys.executable, "-m", "eagle3_platform.cli", "regenerate", "--target", str(target), "--in", str(inp),
+            "--out", str(out), "--preset", "tiny", "--max-new-tokens", "32", "--batch-size", "2",
+            "--temperature", "1.0", "--no-scan-responses"]
+
+
+@pytest.mark.integration
+def test_resume_after_sigkill_gives_identical_records(tiny_target_dir, tmp_path):
+    prompts = mixed_prompts(30)
+    inp = write_prompts(tmp_path / "in.jsonl", prompts)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    ref = tmp_path / "ref.jsonl"
+    done = subprocess.run(_cli(inp, ref, tiny_target_dir), cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1])["written"] == 30
+
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.Popen(_cli(inp, out, tiny_target_dir), cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            if out.exists() and out.read_bytes().count(b"\n") >= 1:
+                break
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    killed_lines = out.read_bytes().count(b"\n")
+    assert 1 <= killed_lines < 30, f"the run was not killed part-way ({killed_lines} lines)"
+
+    again = subprocess.run(_cli(inp, out, tiny_target_dir), cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    summary = json.loads(again.stdout.strip().splitlines()[-1])
+    assert summary["resumed"] >= 1 and summary["written"] == 30 and summary["read"] == 30
+    got, want = list(read_jsonl(out)), list(read_jsonl(ref))
+    assert len({r["id"] for r in got}) == len(got) == 30  # no loss, no duplicates
+    assert got == want  # same records, same tokens, same order as the uninterrupted run
+
+
+def test_resume_from_partial_batch_and_torn_line(tiny_target_dir, tmp_path):
+    """A kill can land between the lines of one batch, or inside a line: the rerun recomputes that batch
+    with the same companions and ends with exactly the uninterrupted output."""
+    cfg = replace(TINY, do_sample=True, temperature=1.0, batch_size=2, max_new_tokens=6)
+    inp = write_prompts(tmp_path / "in.jsonl", mixed_prompts(7))
+    ref = tmp_path / "ref.jsonl"
+    regenerate_file(tiny_target_dir, inp, ref, cfg, scanner=NoScan())
+    lines = ref.read_bytes().split(b"\n")
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(b"\n".join(lines[:3]) + b"\n" + lines[3][: len(lines[3]) // 2])  # 1.5 batches + torn line
+    s = regenerate_file(tiny_target_dir, inp, out, cfg, scanner=NoScan())
+    assert s["resumed"] == 3 and s["written"] == 7
+    assert out.read_bytes() == ref.read_bytes()
