@@ -53,17 +53,19 @@ def test_validation_reasons(scanner):
         json.dumps(rec(8, user("What is a monad?"), ("system", "Be terse."))),
         json.dumps(rec(9)),
         "[1, 2, 3]",
+        json.dumps({"workload": "chat", "messages": [{"role": "user", "content": "hi"}]}),
     ]
     kept, rejected, summary = run(rows, scanner)
     assert [k.id for k in kept] == ["r1"]
     got = reasons(rejected)
     assert got["r3"] == "bad:non_text"
     assert got["r4"] == "bad:schema" and got["r5"] == "bad:schema"
+    assert got[stable_id("<memory>", "11")] == "bad:schema"  # no id: stable (file, line) id
     assert got["r6"] == "bad:empty" and got["r9"] == "bad:empty"
     assert got["r7"] == "bad:role_order" and got["r8"] == "bad:role_order"
     bad_json = [r for r in rejected if r.reason == "bad:json"]
     assert {r.id for r in bad_json} == {stable_id("<memory>", "2"), stable_id("<memory>", "10")}
-    assert summary["read"] == 10 and summary["by_reason"]["bad:json"] == 2
+    assert summary["read"] == 11 and summary["by_reason"]["bad:json"] == 2
 
 
 def test_assistant_turns_stripped_and_counted(scanner):

@@ -60,7 +60,7 @@ _PLACEHOLDER = re.compile(
     r"://[^:/@]+:(?:pass(?:word)?|pwd|secret|pw|\*+|x+)@",
     re.IGNORECASE,
 )
-_TOKEN_WORDS = re.compile(r"^(?:[Bb]earer\s+)?[A-Z_]+$")  # e.g. "Bearer ACCESS_TOKEN_HERE"
+_TOKEN_WORDS = re.compile(r"^(?:[Bb]earer\s+)?[A-Z]+(?:_[A-Z]+)+$")  # "Bearer ACCESS_TOKEN_HERE", not a key id
 
 
 class SecretRecognizer(PatternRecognizer):
@@ -73,8 +73,11 @@ class SecretRecognizer(PatternRecognizer):
 # Street addresses: presidio ships none. US style "1600 Pennsylvania Avenue NW [Suite 4]" (number, 1-4
 # capitalised words, a USPS street suffix), UK style "221B Baker Street", PO boxes, and the
 # "City, ST 12345" line (also APO/FPO military lines). A bare city is LOCATION (NER), not an address.
-# USPS Publication 28 street suffixes (C1, full names + common abbreviations), plural "s" allowed.
-_SUFFIX = "|".join((
+# USPS Publication 28 street suffixes (C1, full names + common abbreviations), plural "s" allowed,
+# minus those that are everyday title words ("20 Most Common Words", "Top 5 Points"): _TITLE_WORDS.
+_TITLE_WORDS = frozenset("Common Course Key Light Point Land Rest Run Union Pass Path Track View Wall Well "
+                         "Fall Club Lock Loaf Station Center Centre Corner".split())
+_SUFFIX = "|".join(w for w in (
     "Alley Avenue Ave Branch Bridge Brook Burg Bypass Camp Canyon Cape Causeway Center Centre Circle Cir "
     "Cliff Close Club Common Corner Course Court Ct Cove Creek Crescent Cres Crest Crossing Crossroad Curve "
     "Dale Dam Divide Drive Dr Estate Expressway Extension Fall Ferry Field Flat Ford Forest Forge Fork Fort "
@@ -85,7 +88,7 @@ _SUFFIX = "|".join((
     "Row Rue Run Shoal Shore Skyway Spring Spur Square Sq Station Stravenue Stream Street St Summit Terrace "
     "Ter Throughway Trace Track Trafficway Trail Trl Tunnel Turnpike Underpass Union Valley Via Viaduct "
     "View Village Ville Vista Walk Wall Way Well Blvd Boulevard"
-).split())
+).split() if w not in _TITLE_WORDS)
 ADDRESS_PATTERNS: list[tuple[str, str, float]] = [
     # [ \t] not \s: an address sits on one line; "Step 3\nOpen Settings" must not read as one
     ("street", r"\b\d{1,6}[A-Z]?(?:[ \t]+(?:[NSEW]|North|South|East|West))?(?:[ \t]+[A-Z][a-zA-Z'\-]+){1,4}"

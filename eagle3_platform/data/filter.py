@@ -161,9 +161,11 @@ class _Run:
         self.pending: list[PromptRecord] = []  # valid, unique records waiting for the batched scan
         self.t0 = time.perf_counter()
 
-    def reject(self, row_or_rec, reason: str) -> None:
+    def reject(self, row_or_rec, reason: str, line_no: int = 0) -> None:
         get = row_or_rec.model_dump() if isinstance(row_or_rec, PromptRecord) else row_or_rec
-        rid = get.get("id") if isinstance(get.get("id"), str) and get.get("id") else UNKNOWN
+        rid = _meta(get, "id")
+        if rid == UNKNOWN:  # a record without a usable id still gets a stable, unique one
+            rid = stable_id(self.origin, str(line_no))
         self.rejected.append(Rejection(id=rid, workload=_meta(get, "workload"), source=_meta(get, "source"),
                                        stage=STAGE, reason=reason))
 
@@ -183,7 +185,7 @@ class _Run:
                 raise _Reject("dup")
             self.seen.add(key)
         except _Reject as r:
-            self.reject(row, r.reason)
+            self.reject(row, r.reason, line_no)
             return
         self.pending.append(rec)
         if len(self.pending) >= self.cfg.scan_batch:

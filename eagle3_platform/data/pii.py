@@ -61,7 +61,7 @@ class PiiConfig:
     spacy_model: str = DEFAULT_SPACY_MODEL
     score_threshold: float = 0.4  # presidio's phone score is 0.4; "very weak" SSN shapes (0.05) need context
     min_person_tokens: int = 2
-    chunk_chars: int = 20_000  # long_context articles are scanned in chunks: spaCy cost is superlinear-ish
+    chunk_chars: int = 20_000  # long_context articles are cut into chunks: bounded memory per spaCy call
     chunk_overlap: int = 200  # an entity straddling a chunk boundary is still seen whole by one chunk
     batch_size: int = 32  # texts per spaCy nlp.pipe batch
 
@@ -234,11 +234,14 @@ class PiiScanner:
         engine = self.analyzer.nlp_engine
         arts = engine.process_batch([texts[i][s:e] for i, s, e in pieces], "en", batch_size=self.cfg.batch_size)
         out: list[set[Finding]] = [set() for _ in texts]
-        for (i, s, _), (chunk, art) in zip(pieces, arts):
+        for (i, s, e), (chunk, art) in zip(pieces, arts):
             results = self.analyzer.analyze(chunk, language="en", entities=self.entities, nlp_artifacts=art,
                                             score_threshold=self.score_threshold)
             for r in results:
-                if self._keep(r, chunk):
+                # a span touching an inner cut may be a fragment ("New" of "New York"); the neighbouring
+                # chunk sees it whole, since entities are shorter than the overlap
+                cut = (r.start == 0 and s > 0) or (r.end == len(chunk) and e < len(texts[i]))
+                if not cut and self._keep(r, chunk):
                     out[i].add(Finding(r.entity_type, r.start + s, r.end + s, round(float(r.score), 4)))
         return [_dlp_wins(sorted(f, key=lambda x: (x.start, x.end, x.entity_type))) for f in out]
 
