@@ -288,6 +288,34 @@ def test_queue_bound_gives_503_json(tok):
     assert all("error" in b for s, b in statuses if s == 503)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_disconnect_cancels_running_and_queued_jobs(tok, stream):
+    import time
+
+    engine = FakeEngine(word_token_ids(tok), chunk=1, delay_s=0.05)
+    app, _ = make_app(tok, engine=engine, disconnect_poll_s=0.05)
+    with ThreadServer(app) as srv:
+        def gone():  # hangs up after the first bytes or 0.3 s of a ~2 s generation
+            body = {"messages": MSGS, "max_tokens": 40, "stream": stream}
+            try:
+                with httpx.stream("POST", srv.url + CHAT, json=body, timeout=0.3) as r:
+                    for _ in r.iter_bytes():
+                        break
+            except httpx.ReadTimeout:
+                pass
+        threads = [threading.Thread(target=gone) for _ in range(2)]  # one running, one queued
+        [t.start() for t in threads]
+        [t.join(30) for t in threads]
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            info = httpx.get(srv.url + "/server_info").json()
+            if info["requests_cancelled"] == 2 and not info["in_flight"]:
+                break
+            time.sleep(0.05)
+    assert info["requests_cancelled"] == 2, info
+    assert info["generated_tokens"] < 40  # the engine stopped early and the queued job never ran
+
+
 @pytest.mark.integration
 def test_subprocess_server_clean_shutdown_with_inflight_request(tmp_path):
     from eagle3_platform.serve.launch import spawn_server

@@ -15,6 +15,7 @@ class ServeConfig:
     max_stop: int = 4                 # OpenAI allows up to 4 stop strings
     shutdown_grace_s: float = 5.0     # in-flight requests get this long to finish on SIGTERM/SIGINT
     retry_after_s: int = 1            # Retry-After header on 503
+    disconnect_poll_s: float = 0.5    # how often a waiting request checks that its client is there
     model_name: str | None = None     # /v1/models id; defaults to the target id
 
     def with_(self, **kw) -> "ServeConfig":

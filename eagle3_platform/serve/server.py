@@ -48,6 +48,10 @@ class EngineFailure(Exception):
     pass
 
 
+class ClientGone(Exception):
+    """The client disconnected before its answer was complete."""
+
+
 class Service:
     """Request handling. One instance per app; the worker owns the engine."""
 
@@ -64,7 +68,7 @@ class Service:
         self.worker = EngineWorker(engine, cfg.max_queue)
         self.started = time.time()
         self.counts = {"requests_total": 0, "requests_rejected": 0, "requests_ok": 0,
-                       "requests_failed": 0}
+                       "requests_failed": 0, "requests_disconnected": 0}
 
     # -- plumbing --------------------------------------------------------------------------------
     def check_auth(self, request: Request) -> None:
@@ -135,13 +139,30 @@ class Service:
                              headers={"Retry-After": str(self.cfg.retry_after_s)}) from None
         return job, events
 
-    async def generate(self, job: Job, events: asyncio.Queue, n_prompt: int):
+    async def next_event(self, events: asyncio.Queue, request: Request | None, job: Job):
+        """The worker's next event; meanwhile poll the client so a departed client's job is
+        cancelled (and skipped if still queued) instead of occupying the engine."""
+        getter = asyncio.ensure_future(events.get())
+        try:
+            while True:
+                done, _ = await asyncio.wait({getter}, timeout=self.cfg.disconnect_poll_s)
+                if done:
+                    return getter.result()
+                if request is not None and await request.is_disconnected():
+                    job.cancelled.set()
+                    raise ClientGone()
+        finally:
+            if not getter.done():
+                getter.cancel()
+
+    async def generate(self, job: Job, events: asyncio.Queue, n_prompt: int,
+                       request: Request | None = None):
         """Yield ("text", delta)… then ("end", finish_reason, usage). Cancels the job if abandoned."""
         ts = TextStream(self.tok, job.stop)
         n_out, info = 0, {}
         try:
             while True:
-                kind, val = await events.get()
+                kind, val = await self.next_event(events, request, job)
                 if kind == "error":
                     raise EngineFailure(val)
                 if kind == "done":
@@ -188,7 +209,7 @@ class Service:
             return error_response(e)
         self.counts["requests_total"] += 1
         rid = P.new_id("chatcmpl" if chat else "cmpl")
-        stream = self.generate(job, events, len(ids))
+        stream = self.generate(job, events, len(ids), request)
         if req.stream:
             return StreamingResponse(self._sse(stream, rid, chat, req.include_usage()),
                                      media_type="text/event-stream",
@@ -206,6 +227,9 @@ class Service:
         except EngineFailure as e:
             self.counts["requests_failed"] += 1
             return error_response(P.APIError(500, str(e), type_="server_error"))
+        except ClientGone:
+            self.counts["requests_disconnected"] += 1
+            return error_response(P.APIError(499, "client disconnected"))
         self.counts["requests_ok"] += 1
         build = P.chat_response if chat else P.completion_response
         return JSONResponse(build(rid, self.model_name, created, "".join(parts), finish, use))
@@ -236,6 +260,9 @@ class Service:
         except EngineFailure as e:
             self.counts["requests_failed"] += 1
             yield sse(P.APIError(500, str(e), type_="server_error").body())
+        except ClientGone:
+            self.counts["requests_disconnected"] += 1
+            return
         finally:
             await stream.aclose()
         yield SSE_DONE
