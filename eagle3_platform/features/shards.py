@@ -285,8 +285,12 @@ class ShardDataset(torch.utils.data.Dataset):
             if k not in self._verified:
                 check_shard(path, row)
                 self._verified.add(k)
-            self._open[k] = safe_open(str(path), framework="pt")
-            self._offsets[k] = self._open[k].get_tensor("offsets")
+            f = safe_open(str(path), framework="pt")
+            offsets = f.get_tensor("offsets")  # [S+1]
+            if len(offsets) != row["samples"] + 1 or int(offsets[-1]) != row["tokens"]:
+                raise ShardError(f"shard {path}: offsets give {len(offsets) - 1} samples / "
+                                 f"{int(offsets[-1])} tokens, manifest says {row['samples']} / {row['tokens']}")
+            self._open[k], self._offsets[k] = f, offsets
         return self._open[k]
 
     def _locate(self, i: int) -> tuple[int, int]:
