@@ -69,6 +69,16 @@ def test_prompt_messages():
         prompt_messages({"id": "x", "messages": [{"role": "system", "content": "s"}]})
 
 
+def test_select_prompts_skips_long_and_rejects_bad():
+    from eagle3_platform.bench.run import select_prompts
+
+    kept, skipped = select_prompts(PROMPTS, 20)
+    assert [r["id"] for r in kept] == ["a", "c"] and skipped == 1   # b: system + user > 20 chars
+    assert select_prompts(PROMPTS, None) == (PROMPTS, 0)
+    with pytest.raises(ValueError, match="neither"):
+        select_prompts([{"id": "z"}], None)
+
+
 def test_read_stream():
     lines = [b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}', b"",
              b'data: {"choices":[{"delta":{"content":"Hel"}}]}',

@@ -149,3 +149,17 @@ def test_start_failure_reports_log_tail(fake_sglang):
                        python=sys.executable)
     with pytest.raises(RuntimeError, match="no device"):
         srv.start(timeout=30)
+
+
+@pytest.mark.integration
+def test_start_sglang_server_uses_spec_preset(fake_sglang):
+    from eagle3_platform.serve.sglang import start_sglang_server
+
+    srv = start_sglang_server("/models/T", "/models/D", log_path=fake_sglang / "s.log", timeout=30)
+    try:
+        info = srv.server_info()
+        assert (info["speculative_num_steps"], info["speculative_eagle_topk"],
+                info["speculative_num_draft_tokens"]) == (4, 1, 5)   # the "chain" preset
+        assert srv.url.startswith("http://127.0.0.1:") and srv.pid
+    finally:
+        assert srv.stop() == 0

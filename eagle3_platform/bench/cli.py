@@ -26,6 +26,8 @@ def add_commands(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--stop-timeout", type=int, default=None,
                    help="seconds in-flight requests may finish after each run (default: duration)")
+    p.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="leave out prompts longer than this (characters of the sent turns)")
     p.add_argument("--no-warmup", action="store_true")
     p.set_defaults(func=bench)
 
@@ -39,6 +41,6 @@ def bench(a) -> dict:
                         out_dir=a.out, baseline_url=a.baseline_url,
                         api_key=a.api_key or os.environ.get("EAGLE3_API_KEY"),
                         max_tokens=a.max_tokens, stop_timeout_s=a.stop_timeout,
-                        warmup=not a.no_warmup)
+                        warmup=not a.no_warmup, max_prompt_chars=a.max_prompt_chars)
     return {"out": a.out, "headline": res["headline"], "report": res["files"]["markdown"],
             "html": res["files"]["html"], "results": res["files"]["results"]}

@@ -21,7 +21,7 @@ import httpx
 
 from eagle3_platform.bench.metrics import aggregate, tau_between, wall_time
 from eagle3_platform.bench.prompts import prompt_messages
-from eagle3_platform.records import read_jsonl
+from eagle3_platform.records import read_jsonl, write_jsonl_atomic
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 ALL = "all"
@@ -37,11 +37,15 @@ class BenchConfig:
     stop_timeout_s: int | None = None   # in-flight requests may finish; None = duration_s
     warmup: bool = True
     slack_s: int = 120                  # Locust start-up/shut-down allowance on a busy machine
+    # Prompts longer than this (characters of the sent turns) are left out, so a small context
+    # (tiny target: 2048) or a slow CPU prefill does not turn the sweep into a prefill benchmark.
+    max_prompt_chars: int | None = None
 
 
 PRESETS: dict[str, BenchConfig] = {
-    "tiny": BenchConfig(concurrency=(1, 2), duration_s=4, max_tokens=16),
-    "demo": BenchConfig(concurrency=(1, 2, 4, 8), duration_s=30, max_tokens=64),
+    "tiny": BenchConfig(concurrency=(1, 2), duration_s=4, max_tokens=16, max_prompt_chars=1000),
+    "demo": BenchConfig(concurrency=(1, 2, 4, 8), duration_s=30, max_tokens=64,
+                        max_prompt_chars=4000),
     "full": BenchConfig(concurrency=(1, 2, 4, 8, 16, 32, 64), duration_s=120, max_tokens=256),
 }
 
@@ -120,15 +124,18 @@ def run_benchmark(url: str, prompts_path: str | Path, concurrency=(1, 2, 4, 8),
                   baseline_url: str | None = None, api_key: str | None = None,
                   workload_of_prompt: Callable[[dict], str] = default_workload,
                   max_tokens: int = 64, stop_timeout_s: int | None = None,
-                  warmup: bool = True, write_report: bool = True) -> dict:
+                  warmup: bool = True, write_report: bool = True,
+                  max_prompt_chars: int | None = None) -> dict:
     """Sweep concurrency on each endpoint; returns (and writes) results.json's content."""
-    prompts_path, out_dir = Path(prompts_path), Path(out_dir)
+    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = list(read_jsonl(prompts_path))
+    source = Path(prompts_path)
+    rows, skipped = select_prompts(list(read_jsonl(source)), max_prompt_chars)
     if not rows:
-        raise ValueError(f"no prompts in {prompts_path}")
-    for r in rows:  # fail before any load is generated, with the record's id
-        prompt_messages(r)
+        raise ValueError(f"no usable prompts in {source} (max_prompt_chars={max_prompt_chars}, "
+                         f"{skipped} too long)")
+    prompts_path = out_dir / "prompts_used.jsonl"
+    write_jsonl_atomic(prompts_path, rows)
     wl = [workload_of_prompt(r) for r in rows]
     cfg = BenchConfig(concurrency=tuple(int(c) for c in concurrency), duration_s=int(duration_s),
                       max_tokens=int(max_tokens), stop_timeout_s=stop_timeout_s, warmup=warmup)
@@ -160,8 +167,9 @@ def run_benchmark(url: str, prompts_path: str | Path, concurrency=(1, 2, 4, 8),
                   f"median_tpot_ms={_ms(a['median_tpot_s'])} tok/s={_fmt(a['output_tok_per_s'])} "
                   f"tau={_fmt(a['tau'])}", file=sys.stderr, flush=True)
     results = {"config": {"concurrency": list(cfg.concurrency), "duration_s": cfg.duration_s,
-                          "max_tokens": cfg.max_tokens, "prompts": str(prompts_path),
-                          "n_prompts": len(rows), "workloads": sorted(set(wl)),
+                          "max_tokens": cfg.max_tokens, "prompts": str(source),
+                          "n_prompts": len(rows), "prompts_skipped_too_long": skipped,
+                          "max_prompt_chars": max_prompt_chars, "workloads": sorted(set(wl)),
                           "endpoints": {k: v for k, v in endpoints}},
                "runs": runs}
     results["headline"] = headline(results)
@@ -169,6 +177,17 @@ def run_benchmark(url: str, prompts_path: str | Path, concurrency=(1, 2, 4, 8),
         from eagle3_platform.bench.report import write_report as _write
         results["files"] = _write(results, out_dir)
     return results
+
+
+def select_prompts(rows: list[dict], max_chars: int | None) -> tuple[list[dict], int]:
+    """Validates every record (fails before any load is generated, naming the record) and drops
+    those whose sent turns exceed max_chars; returns (kept, n_skipped)."""
+    kept = []
+    for r in rows:
+        n = sum(len(m["content"]) for m in prompt_messages(r))
+        if max_chars is None or n <= max_chars:
+            kept.append(r)
+    return kept, len(rows) - len(kept)
 
 
 def headline(results: dict) -> dict:

@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from eagle3_platform.serve import protocol as P
-from eagle3_platform.serve.config import ServeConfig
+from eagle3_platform.serve.config import PRESETS, ServeConfig  # noqa: F401  (PRESETS: preset lookup)
 from eagle3_platform.serve.text import TextStream
 from eagle3_platform.serve.worker import EngineWorker, Job, QueueFull
 

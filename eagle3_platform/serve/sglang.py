@@ -189,3 +189,33 @@ class SGLangServer:
 
     def log(self) -> str:
         return log_tail(self.log_path) if self.log_path else ""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """SGLang cannot bind port 0 and report it, so a free port is picked here (small race)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def start_sglang_server(target_dir, draft_dir=None, host: str = "127.0.0.1", port: int = 0,
+                        api_key: str | None = None, num_steps: int | None = None,
+                        eagle_topk: int | None = None, num_draft_tokens: int | None = None,
+                        log_path=None, timeout: float = HEALTH_TIMEOUT_S, spec: str = "chain",
+                        mem_fraction_static: float | None = None,
+                        extra_args: tuple[str, ...] = ()) -> SGLangServer:
+    """Launch SGLang on a prepared target (+ EAGLE-3 export) and wait for /health.
+    With a draft and none of the three speculative ints, the engine preset `spec` supplies them,
+    so SGLang drafts exactly like the embedded engine."""
+    port = port or free_port(host)
+    common = dict(host=host, port=port, mem_fraction_static=mem_fraction_static,
+                  extra_args=tuple(extra_args))
+    if draft_dir is not None and num_steps is None and eagle_topk is None and num_draft_tokens is None:
+        from eagle3_platform.spec.config import get_preset
+        cfg = SGLangConfig.from_spec(str(target_dir), str(draft_dir), get_preset(spec), **common)
+    else:
+        cfg = SGLangConfig(str(target_dir), None if draft_dir is None else str(draft_dir),
+                           num_steps, eagle_topk, num_draft_tokens, **common)
+    return SGLangServer(cfg, log_path=log_path, api_key=api_key).start(timeout)
