@@ -54,21 +54,29 @@ def verify_sampling(tree: Tree, logits: torch.Tensor, temperature: float,
     target's distribution given the accepted prefix, whatever the draft proposes.
     """
     probs = target_probs(logits, temperature)  # [N,V]
+    u = torch.rand(len(tree), generator=gen, dtype=torch.float64).tolist()  # one uniform per candidate
     tokens, kids = tree.tokens.tolist(), tree.children()
     path = [0]
     while True:
-        node = path[-1]
-        p = probs[node].clone()
-        accepted = None
+        node, accepted = path[-1], None
+        p, mass, rejected = probs[node], 1.0, []  # residual = p with rejected tokens zeroed; mass = its sum
         for c in kids[node]:
-            if torch.rand((), generator=gen).item() < p[tokens[c]].item():
+            pc = float(p[tokens[c]])
+            if u[c] * mass < pc:  # u < residual(c) / mass: accept c
                 accepted = c
                 break
-            p[tokens[c]] = 0.0  # residual max(0, p - onehot(c)), renormalised below
-            mass = p.sum()
-            if mass <= min_mass:  # only reachable through rounding: nothing left to draw from
-                break
-            p /= mass
+            rejected.append(tokens[c])
+            mass -= pc
         if accepted is None:
-            return path, sample(p if p.sum() > min_mass else probs[node], gen)
+            return path, _sample_residual(p, rejected, mass, min_mass, gen)
         path.append(accepted)
+
+
+def _sample_residual(p: torch.Tensor, rejected: list[int], mass: float, min_mass: float,
+                     gen: torch.Generator | None) -> int:
+    """Bonus token from p with the rejected tokens removed (multinomial renormalises)."""
+    if not rejected or mass <= min_mass:  # mass ~0 is only reachable through rounding
+        return sample(p, gen)
+    residual = p.clone()
+    residual[rejected] = 0.0
+    return sample(residual, gen)

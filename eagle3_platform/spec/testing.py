@@ -41,7 +41,8 @@ def varied_target(base: Target | None, cfg: VariedTargetConfig = VariedTargetCon
     model = LlamaForCausalLM(hf).eval()
     meta = {"target_id": f"varied-{cfg.seed}", "num_hidden_layers": hf.num_hidden_layers,
             "hidden_size": hf.hidden_size, "vocab_size": hf.vocab_size,
-            "capture_layer_ids": capture_layer_ids(hf.num_hidden_layers)}
+            "capture_layer_ids": [min(max(i, 0), hf.num_hidden_layers - 1)  # valid for any depth
+                                  for i in capture_layer_ids(hf.num_hidden_layers)]}
     return Target(model=model, tokenizer=base.tokenizer if base is not None else None, meta=meta)
 
 
