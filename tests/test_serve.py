@@ -317,7 +317,8 @@ def test_client_disconnect_cancels_running_and_queued_jobs(tok, stream):
 
 
 @pytest.mark.integration
-def test_subprocess_server_clean_shutdown_with_inflight_request(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_subprocess_server_clean_shutdown_with_inflight_request(tmp_path, sig):
     from eagle3_platform.serve.launch import spawn_server
 
     cmd = [sys.executable, "-m", "eagle3_platform.serve.testing", "--delay-s", "0.05",
@@ -340,7 +341,7 @@ def test_subprocess_server_clean_shutdown_with_inflight_request(tmp_path):
             break
         time.sleep(0.05)
     assert httpx.get(h.url + "/server_info").status_code == 401
-    os.kill(h.pid, signal.SIGTERM)
+    os.kill(h.pid, sig)
     t.join(30)
     assert h.proc.wait(30) == 0
     assert got["status"] == 200 and got["text"].rstrip().endswith("data: [DONE]")

@@ -117,6 +117,10 @@ def markdown(results: dict, plots: list[str]) -> str:
         lines += ["", "## Per workload", "", *_md_table(table(per_w))]
     lines += ["", "TPOT = (latency − TTFT) / (output tokens − 1); τ = accepted tokens / verify "
               "steps (SGLang's avg_spec_accept_length definition).", ""]
+    if any(i and "max_queue" in i for i in (results.get("servers") or {}).values()):
+        lines += ["The embedded CPU server decodes one request at a time (FIFO queue): at higher "
+                  "concurrency requests wait in the queue, which shows in TTFT rather than TPOT, "
+                  "and output throughput stays roughly flat.", ""]
     lines += [f"![{p}]({p})" for p in plots]
     return "\n".join(lines) + "\n"
 

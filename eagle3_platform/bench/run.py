@@ -105,7 +105,12 @@ def run_locust(url: str, label: str, concurrency: int, prompts_path: Path, cfg: 
     if proc.returncode not in (0, 1):
         tail = (out_dir / "locust" / f"{stem}.log").read_text(errors="replace")[-2000:]
         raise RuntimeError(f"locust exited with {proc.returncode} for {stem}:\n{tail}")
-    return list(read_jsonl(req_path, tolerate_torn_tail=True)) if req_path.exists() else []
+    recs = list(read_jsonl(req_path, tolerate_torn_tail=True)) if req_path.exists() else []
+    if not recs:  # Locust did not start, or nothing finished: an empty cell would read as "0 failures"
+        tail = (out_dir / "locust" / f"{stem}.log").read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"no request finished for {stem} (exit {proc.returncode}); a longer "
+                           f"--duration/--stop-timeout may be needed. Locust log tail:\n{tail}")
+    return recs
 
 
 def summarize(records: list[dict], workloads: list[str]) -> dict[str, dict]:
@@ -145,6 +150,7 @@ def run_benchmark(url: str, prompts_path: str | Path, concurrency=(1, 2, 4, 8),
     if warmup:
         for _, u in endpoints:
             warm_up(u, api_key, prompt_messages(rows[0]))
+    servers = {label: server_info(u, api_key) for label, u in endpoints}
     runs = []
     for c in cfg.concurrency:
         for label, u in endpoints:
@@ -171,7 +177,7 @@ def run_benchmark(url: str, prompts_path: str | Path, concurrency=(1, 2, 4, 8),
                           "n_prompts": len(rows), "prompts_skipped_too_long": skipped,
                           "max_prompt_chars": max_prompt_chars, "workloads": sorted(set(wl)),
                           "endpoints": {k: v for k, v in endpoints}},
-               "runs": runs}
+               "servers": servers, "runs": runs}
     results["headline"] = headline(results)
     if write_report:
         from eagle3_platform.bench.report import write_report as _write
