@@ -200,6 +200,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--workloads", default="chat,multi_turn,code,math,long_context",
                     help="also run the drop filter on real workload prompts ('' to skip)")
     ap.add_argument("--workload-limit", type=int, default=100)
+    ap.add_argument("--workload-split", default="train", choices=("train", "eval"))
     ap.add_argument("--json-out")
     args = ap.parse_args(argv)
 
@@ -223,7 +224,7 @@ def main(argv=None) -> dict:
     out["ratios"] = {"batched_over_single": round(speed["ner_batched"] / speed["ner_single"], 2),
                      "patterns_over_ner": round(speed["patterns_batched"] / speed["ner_batched"], 2)}
     if args.workloads:
-        out["workloads"] = bench_workloads(args.workloads.split(","), args.workload_limit, ner)
+        out["workloads"] = bench_workloads(args.workloads.split(","), args.workload_limit, ner, args.workload_split)
     print_table(out)
     if args.json_out:
         with open(args.json_out, "w") as f:
@@ -232,7 +233,7 @@ def main(argv=None) -> dict:
     return out
 
 
-def bench_workloads(workloads: list[str], limit: int, scanner: PiiScanner) -> dict:
+def bench_workloads(workloads: list[str], limit: int, scanner: PiiScanner, split: str = "train") -> dict:
     """The drop filter on real training prompts: what share each workload would lose, and why.
     Unlabelled, so these are flag rates, not false positives (MT-bench-like prompts name real places)."""
     from eagle3_platform.data.filter import filter_records
@@ -240,13 +241,13 @@ def bench_workloads(workloads: list[str], limit: int, scanner: PiiScanner) -> di
 
     out = {}
     for w in workloads:
-        rows = [r.model_dump() for r in iter_workload(w, split="train", limit=limit, seed=0)]
+        rows = [r.model_dump() for r in iter_workload(w, split=split, limit=limit, seed=0)]
         chars = sum(len(m["content"]) for r in rows for m in r["messages"])
         filter_records(rows[:4], scanner=scanner)  # warm-up
         t0 = time.perf_counter()
         _, _, summ = filter_records(rows, scanner=scanner)
         dt = time.perf_counter() - t0
-        out[w] = {"records": summ["read"], "kept": summ["kept"], "by_reason": summ["by_reason"],
+        out[w] = {"split": split, "records": summ["read"], "kept": summ["kept"], "by_reason": summ["by_reason"],
                   "records_per_s": round(summ["read"] / dt, 1), "kchars_per_s": round(chars / dt / 1000, 1),
                   "mean_chars": round(chars / max(len(rows), 1))}
     return out

@@ -60,6 +60,7 @@ CLEAN = [
     "Use AKIAIOSFODNN7EXAMPLE from the AWS docs and postgres://user:password@localhost/db in the tutorial.",
     "Set the header `Authorization: Bearer YOUR_ACCESS_TOKEN` and read the token from os.environ['API_KEY'].",
     "Explain list comprehensions in Python, why the linux kernel panics, and when to Return None.",
+    "Date,Open,Close\n2022-01-03,164.25,168.35\n2022-01-04,169.85,168.20\nWhich day gained more?",
     "SELECT id, count(*) FROM orders WHERE total > 100.50 GROUP BY id ORDER BY 2 DESC LIMIT 10;",
 ]
 

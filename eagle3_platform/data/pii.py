@@ -97,7 +97,7 @@ TECH_TERMS = frozenset(t.lower() for t in (
     "PyTorch TensorFlow Keras Jupyter Linux Ubuntu Debian Fedora Windows macOS iOS Android Docker Kubernetes "
     "Terraform Ansible Jenkins Nginx Apache Kafka Spark Hadoop Airflow Dagster Git GitHub GitLab AWS Azure GCP "
     "Excel Tableau Unity Unreal Blender Figma Slack Discord Notion Jira Chrome Firefox Safari Arduino "
-    "ChatGPT GPT OpenAI Copilot Lambda Selenium Vim Emacs Markdown LaTeX HTML CSS JSON YAML CI CD API SDK"
+    "ChatGPT GPT OpenAI Copilot Lambda Selenium Vim Emacs Markdown LaTeX HTML CSS JSON YAML CI CD API SDK AI ML LLM GPU CPU"
 ).split()) | {"raspberry pi", "visual studio", "vs code", "next.js", "node.js", "ruby on rails"}
 _PARTICLES = frozenset("the of de da del della di du la le van von der den bin al el y".split())
 _CODE_WORDS = frozenset("none true false null return self def class import print else elif lambda".split())
@@ -113,6 +113,7 @@ def _proper_noun_span(span: str) -> bool:
     return words[-1][0].isupper() and all(w[0].isupper() or w.lower() in _PARTICLES for w in words)
 
 
+MIN_PHONE_DIGITS = 7  # shortest real subscriber numbers (without area code) have 7 digits
 _SSN_SHAPE = re.compile(r"^\d{3}-\d{2}-\d{4}$")
 
 
@@ -254,8 +255,8 @@ class PiiScanner:
         if r.entity_type == "PHONE_NUMBER":
             # 3-2-4 is the SSN shape; a bare digit run (1234567890 in code) is a phone only with context
             # words nearby, which presidio's context enhancer turns into a score above the base 0.4
-            if _SSN_SHAPE.match(span):
-                return False
+            if _SSN_SHAPE.match(span) or sum(c.isdigit() for c in span) < MIN_PHONE_DIGITS:
+                return False  # "164.25" in a price table is not a phone number
             return not span.strip("()").isdigit() or r.score > PhoneRecognizer.SCORE
         if r.entity_type == "IP_ADDRESS":
             try:
