@@ -111,7 +111,9 @@ def _prompt_tokens(tokenizer, messages: list[Message]) -> int:
 
 
 def content_key(messages: list[Message]) -> str:
-    """Dedupe key: roles + case/whitespace-normalised text."""
+    """Dedupe key: roles + case/whitespace-normalised text. Deliberately lighter than decontam_key
+    (which also strips punctuation): `a+b` and `ab` are different code prompts; for decontamination
+    over-matching is the safe side, for dedupe it would throw data away."""
     norm = [[m.role, " ".join(m.content.lower().split())] for m in messages]
     return hashlib.sha256(json.dumps(norm, ensure_ascii=False).encode()).hexdigest()
 

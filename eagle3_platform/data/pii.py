@@ -11,7 +11,13 @@ Policy decisions (the benchmark in scripts/bench_pii.py shows their trade-offs):
 - PERSON counts only for spans of >= `min_person_tokens` (2) tokens. A lone given name ("Sarah has 5
   apples") identifies nobody, and every math word problem has one; full names are what identify people.
   The small model also tags words in code comments as single-token PERSONs.
-- LOCATION (spaCy GPE/LOC/FAC) counts, as the issue asks for places.
+- NER spans must look like proper nouns (capitalised words, no digits/underscores, not a programming
+  language or tool: TECH_TERMS), and a PII span overlapping a secret is dropped (the secret wins).
+- LOCATION (spaCy GPE/LOC/FAC) counts, as the issue asks for places. Consequence, measured by the
+  benchmark: public text full of public figures and places (SQuAD/HotpotQA articles, MT-bench) is mostly
+  flagged; use policy "redact" for such partitions rather than "drop".
+- PHONE_NUMBER needs >= 7 digits, is never the 3-2-4 SSN shape, and a bare digit run counts only when
+  context words ("phone", "call", ...) raised presidio's score.
 - IP_ADDRESS counts only for globally routable addresses: 127.0.0.1, 10.x, 192.168.x, documentation
   ranges are configuration, not personal data.
 - URLs are NOT PII: prompts link to docs all the time. A URL that carries credentials is a DLP finding
