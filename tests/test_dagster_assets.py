@@ -62,3 +62,19 @@ def test_corrupt_stored_shard_fails_the_blocking_check(tmp_path, tiny_target_dir
     assert evals and not evals[0].passed
     assert "shard-00000" in str(evals[0].metadata["first_problems"].value)
     assert F  # module imported: the check lives beside the asset
+
+
+@pytest.mark.integration
+def test_pipes_compute_mode_matches_in_process(tmp_path, tiny_target_dir, instance):
+    """compute=pipes runs each step as its `eagle3` CLI command in a child process (Dagster Pipes);
+    it must produce the same artifacts as the in-process library call."""
+    outs = {}
+    for mode in ("in_process", "pipes"):
+        storage = LocalStorageResource(root=str(tmp_path / mode))
+        result = run(["filtered_prompts"], tiny_resources(storage, tiny_target_dir, compute=mode), instance,
+                     WORKLOAD)
+        m = meta(result, "filtered_prompts")
+        assert m["kept"] + m["rejected"] == m["read"]
+        outs[mode] = (storage.fetch(f"{WORKLOAD}/filtered_prompts/train/kept.jsonl").read_text(),
+                      storage.fetch(f"{WORKLOAD}/filtered_prompts/train/rejected.jsonl").read_text(), m["read"])
+    assert outs["pipes"] == outs["in_process"]
