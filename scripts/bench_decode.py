@@ -1,0 +1,156 @@
+"""Decode speed, batch 1, T=0, on held-out MT-bench prompts (first turn; one per category by default).
+
+Methods, interleaved per prompt within every repeat so machine-load drift hits all of them alike:
+  hf_greedy         transformers `generate`, greedy (the reference for ratios and losslessness)
+  hf_prompt_lookup  transformers `generate(prompt_lookup_num_tokens=...)`, greedy
+  engine_baseline   SpecEngine without a draft (plain KV-cached decoding through the engine)
+  eagle3_chain      SpecEngine + EAGLE-3 head, `chain` preset      (needs --draft)
+  eagle3_tree       SpecEngine + EAGLE-3 head, `tree` preset       (needs --draft)
+Reported per method: median over repeats of (Σ tokens / Σ seconds over the prompts), the median of
+the per-repeat ratios vs hf_greedy, τ (engine), and greedy-output mismatches vs hf_greedy.
+
+  python scripts/bench_decode.py --target /tmp/t/smol --draft EXPORT_DIR --out bench.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from eagle3_platform.data.chat import render_prompt  # noqa: E402
+from eagle3_platform.draft.metrics import acceptance_length  # noqa: E402
+from eagle3_platform.spec.config import PRESETS, get_preset  # noqa: E402
+from eagle3_platform.spec.engine import SpecEngine  # noqa: E402
+from eagle3_platform.spec.eval import first_turn, load_prompts  # noqa: E402
+from eagle3_platform.target import load_target  # noqa: E402
+
+MTBENCH_PER_CATEGORY = 10  # MT-bench lists 8 categories x 10 questions in order
+
+
+def mtbench_prompts(n: int) -> list:
+    """n MT-bench questions spread over the categories (every 10th question first)."""
+    from eagle3_platform.data.sources import iter_workload
+
+    recs = [r for r in iter_workload("multi_turn", split="eval", limit=80) if "mt_bench" in r.source]
+    order = sorted(range(len(recs)), key=lambda i: (i % MTBENCH_PER_CATEGORY, i))
+    return [recs[i] for i in order[:n]]
+
+
+def hf_method(target, eos_ids, **kw):
+    @torch.no_grad()
+    def run(ids, max_new):
+        x = torch.tensor([ids])
+        out = target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
+                                    do_sample=False, eos_token_id=sorted(eos_ids),
+                                    pad_token_id=target.tokenizer.pad_token_id, **kw)
+        return out[0, len(ids):].tolist(), None
+    return run
+
+
+def engine_method(engine):
+    def run(ids, max_new):
+        tokens, stats = engine.generate(ids, max_new)
+        return tokens, dict(stats)
+    return run
+
+
+def build_methods(target, draft, args) -> dict:
+    base = SpecEngine(target, None, PRESETS["baseline"])
+    methods = {"hf_greedy": hf_method(target, base.eos_ids),
+               "hf_prompt_lookup": hf_method(target, base.eos_ids,
+                                             prompt_lookup_num_tokens=args.prompt_lookup_tokens),
+               "engine_baseline": engine_method(base)}
+    if draft is not None:
+        for name in args.spec:
+            methods[f"eagle3_{name}"] = engine_method(SpecEngine(target, draft, get_preset(name)))
+    return methods
+
+
+def bench(methods: dict, prompts: list[list[int]], args) -> dict:
+    rows = []  # one per (repeat, prompt, method)
+    for r in range(args.repeats):
+        for p, ids in enumerate(prompts):
+            for name, run in methods.items():
+                t0 = time.perf_counter()
+                tokens, stats = run(ids, args.max_new_tokens)
+                rows.append({"repeat": r, "prompt": p, "method": name, "tokens": tokens,
+                             "seconds": time.perf_counter() - t0, "stats": stats})
+            print(f"[bench] repeat {r + 1}/{args.repeats} prompt {p + 1}/{len(prompts)}", file=sys.stderr,
+                  flush=True)
+    return summarise(rows, list(methods), args.repeats)
+
+
+def summarise(rows: list[dict], names: list[str], repeats: int) -> dict:
+    def tps(method, r):
+        sel = [x for x in rows if x["method"] == method and x["repeat"] == r]
+        return sum(len(x["tokens"]) for x in sel) / sum(x["seconds"] for x in sel)
+
+    ref = {x["prompt"]: x["tokens"] for x in rows if x["method"] == "hf_greedy" and x["repeat"] == 0}
+    out = {}
+    for m in names:
+        per_rep = [tps(m, r) for r in range(repeats)]
+        ratios = [tps(m, r) / tps("hf_greedy", r) for r in range(repeats)]
+        first = [x for x in rows if x["method"] == m and x["repeat"] == 0]
+        fig = {"tok_s_median": statistics.median(per_rep), "tok_s_per_repeat": per_rep,
+               "ratio_vs_hf_greedy_median": statistics.median(ratios), "ratio_per_repeat": ratios,
+               "tokens": sum(len(x["tokens"]) for x in first),
+               "greedy_mismatches_vs_hf": sum(x["tokens"] != ref[x["prompt"]] for x in first)}
+        if first[0]["stats"] is not None:
+            decoded = sum(max(0, x["stats"]["generated_tokens"] - 1) for x in first)
+            fig["tau"] = acceptance_length(decoded, sum(x["stats"]["verify_steps"] for x in first))
+        out[m] = fig
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="/tmp/t/smol")
+    ap.add_argument("--draft", default=None, help="EAGLE-3 export dir (omit: no eagle3 rows)")
+    ap.add_argument("--prompts", default=None, help="PromptRecord JSONL (default: MT-bench first turns)")
+    ap.add_argument("--n-prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared box)")
+    ap.add_argument("--spec", nargs="+", default=["chain", "tree"])
+    ap.add_argument("--prompt-lookup-tokens", type=int, default=10)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    target = load_target(args.target)
+    draft = None
+    if args.draft:
+        from eagle3_platform.draft.export import load_export
+        draft = load_export(args.draft, target)
+    if args.prompts:
+        prompts = [ids for _, ids in load_prompts(args.prompts, target.tokenizer, args.n_prompts)]
+    else:
+        prompts = [render_prompt(target.tokenizer, first_turn(r)) for r in mtbench_prompts(args.n_prompts)]
+    methods = build_methods(target, draft, args)
+    for run in methods.values():  # warm-up: allocator, kernels, lazy inits
+        run(prompts[0], 8)
+    figures = bench(methods, prompts, args)
+    result = {"figures": figures, "config": {**vars(args), "n_prompts": len(prompts),
+                                             "torch_threads": torch.get_num_threads()},
+              "command": " ".join(sys.argv)}
+    for m, f in figures.items():
+        print(f"{m:18s} tok/s {f['tok_s_median']:7.2f}  x{f['ratio_vs_hf_greedy_median']:.2f} vs hf_greedy"
+              f"  tau {f.get('tau', float('nan')):.2f}  mismatches {f['greedy_mismatches_vs_hf']}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    print(json.dumps({m: {k: round(v, 3) for k, v in f.items() if isinstance(v, float)}
+                      for m, f in figures.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
