@@ -348,3 +348,39 @@ def test_resume_from_partial_batch_and_torn_line(tiny_target_dir, tmp_path):
     s = regenerate_file(tiny_target_dir, inp, out, cfg, scanner=NoScan())
     assert s["resumed"] == 3 and s["written"] == 7
     assert out.read_bytes() == ref.read_bytes()
+
+
+# ------------------------------------------------------------------------------------------- CLI
+
+def test_cli_regenerate_and_user_errors(tiny_target_dir, tmp_path, capsys):
+    from eagle3_platform.cli import main
+
+    inp = write_prompts(tmp_path / "in.jsonl", mixed_prompts(2))
+    out = tmp_path / "out.jsonl"
+    base = ["regenerate", "--target", str(tiny_target_dir), "--in", str(inp), "--out", str(out)]
+    assert main(base + ["--preset", "nope"]) == 2
+    assert main(base[:4] + [str(tmp_path / "missing.jsonl")] + base[5:]) == 2
+    assert main(["regenerate", "--target", str(tmp_path), "--in", str(inp), "--out", str(out)]) == 2
+    assert main(base + ["--max-new-tokens", "0"]) == 2
+    capsys.readouterr()
+    assert main(base + ["--preset", "tiny", "--max-new-tokens", "4", "--no-scan-responses"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["ok"] and summary["written"] == 2
+    rows = list(read_jsonl(out))
+    assert all(n <= 4 for r in rows for n in r["generation"]["new_tokens"])
+
+
+def test_cli_filter_wiring(tiny_target_dir, tmp_path, capsys):
+    from eagle3_platform.cli import main
+
+    inp = write_prompts(tmp_path / "in.jsonl", [prompt_record(0, ["What is 2 plus 2?"]),
+                                                prompt_record(1, ["word " * 400]),
+                                                prompt_record(2, ["Mail jane.roe@example.org please"])])
+    args = ["filter", "--in", str(inp), "--out", str(tmp_path / "kept.jsonl"), "--rejected", str(tmp_path / "rej.jsonl")]
+    assert main(args + ["--max-tokens", "10"]) == 2  # a length limit needs the target's template
+    capsys.readouterr()
+    assert main(args + ["--target", str(tiny_target_dir), "--max-tokens", "100", "--no-decontaminate"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (summary["read"], summary["kept"], summary["rejected"]) == (3, 1, 2)
+    reasons = sorted(r["reason"] for r in read_jsonl(tmp_path / "rej.jsonl"))
+    assert reasons == ["bad:too_long", "pii:EMAIL_ADDRESS"]

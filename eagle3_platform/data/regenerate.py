@@ -53,8 +53,10 @@ PRESETS: dict[str, RegenConfig] = {
     "tiny": RegenConfig(max_new_tokens=16, batch_size=4, do_sample=False, temperature=0.0, top_p=1.0,
                         seed=0, max_length=512, concurrency=2, torch_threads=1, progress_every_s=2.0),
     # The whole demo graph must fit in ~20 min on 2 CPU cores: short greedy answers.
+    # One torch thread: the demo runs beside other assets on 2 cores, and an oversubscribed box made
+    # 2-thread decoding 6-8x slower (SmolLM2, batch 4), not faster.
     "demo": RegenConfig(max_new_tokens=80, batch_size=8, do_sample=False, temperature=0.0, top_p=1.0,
-                        seed=0, max_length=1024, concurrency=4),
+                        seed=0, max_length=1024, concurrency=4, torch_threads=1),
     # Production: sampled answers (diversity) at the target's usual settings, usually via SGLang/vLLM.
     "full": RegenConfig(max_new_tokens=1024, batch_size=32, do_sample=True, temperature=0.7, top_p=0.95,
                         seed=0, max_length=4096, concurrency=64, dtype="bfloat16"),
