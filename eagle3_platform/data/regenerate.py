@@ -19,13 +19,12 @@ import hashlib
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from pydantic import ValidationError
 
-from eagle3_platform.data.chat import BoundaryError, encode, end_of_turn, render, render_prompt, template_hash
+from eagle3_platform.data.chat import BoundaryError, end_of_turn, render, render_prompt, template_hash
 from eagle3_platform.records import ConversationRecord, JsonlAppender, PromptRecord, Rejection, read_jsonl
 
 STAGE = "target_responses"
@@ -223,6 +222,8 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
 
         turns = Turns(tok, cfg)
         if endpoint:
+            from eagle3_platform.data.endpoint import run_endpoint
+
             run_endpoint(endpoint, convos, turns, cfg, done, emit, meta, api_key)
         else:
             run_local(target_dir, convos, turns, cfg, done, emit)
@@ -301,50 +302,6 @@ def decode_turns(model, batch: list[Convo], turns: Turns, cfg: RegenConfig) -> N
             body = g.tokens[:-1] if g.finish_reason == "stop" else g.tokens  # the EOT is the template's
             text = turns.tok.decode(body, skip_special_tokens=True, clean_up_tokenization_spaces=False)
             turns.answer(c, msgs, text, g.finish_reason, len(g.tokens))
-
-
-def run_endpoint(endpoint: str, convos: list[Convo], turns: Turns, cfg: RegenConfig, done: set[str], emit,
-                 meta: dict, api_key: str | None) -> None:
-    """At most cfg.concurrency conversations in flight; each one asks its turns in order."""
-    from eagle3_platform.data.endpoint import ChatClient, EndpointRequestError, served_model
-
-    model = served_model(endpoint, meta["target_id"], api_key)
-    client = ChatClient(endpoint, model, api_key, cfg.request_timeout_s, cfg.max_retries, cfg.backoff_s)
-    temperature = cfg.temperature if cfg.do_sample else 0.0
-
-    def converse(c: Convo) -> Convo:
-        for k in range(len(c.segments) if c.reject is None else 0):
-            with turns.lock:  # tokenizer + template rendering stay on one thread at a time
-                nxt = turns.next(c, k)
-            if nxt is None:
-                break
-            msgs, _, budget = nxt
-            try:
-                reply = client.chat(msgs, budget, temperature, cfg.top_p,
-                                    turn_seed(cfg.seed, c.rec.id, k) if cfg.do_sample else None)
-            except EndpointRequestError as e:
-                c.reject = f"endpoint:{e.status}"
-                break
-            n = reply.completion_tokens
-            if n is None:
-                with turns.lock:
-                    n = len(encode(turns.tok, reply.content))
-            turns.answer(c, msgs, reply.content, reply.finish_reason, n)
-        return c
-
-    todo = [c for c in convos if c.rec.id not in done]
-    try:
-        with ThreadPoolExecutor(max_workers=cfg.concurrency) as pool:
-            futures = [pool.submit(converse, c) for c in todo]
-            try:
-                for f in as_completed(futures):
-                    emit(f.result())  # written from this thread only: the appenders are not shared
-            except BaseException:
-                for f in futures:
-                    f.cancel()
-                raise
-    finally:
-        client.close()
 
 
 def summarize(convos, out_path: Path, rejected_path: Path, resumed: int, progress: Progress,
