@@ -6,6 +6,8 @@ Methods, interleaved per prompt within every repeat so machine-load drift hits a
   engine_baseline   SpecEngine without a draft (plain KV-cached decoding through the engine)
   eagle3_chain      SpecEngine + EAGLE-3 head, `chain` preset      (needs --draft)
   eagle3_tree       SpecEngine + EAGLE-3 head, `tree` preset       (needs --draft)
+  oracle_chain      SpecEngine + a drafter that always proposes hf_greedy's continuation (chain,
+                    depth 4, zero draft cost): the ceiling of the verify machinery (τ = 5)
 Reported per method: median over repeats of (Σ tokens / Σ seconds over the prompts), the median of
 the per-repeat ratios vs hf_greedy, τ (engine), and greedy-output mismatches vs hf_greedy.
 
@@ -64,7 +66,20 @@ def engine_method(engine):
     return run
 
 
-def build_methods(target, draft, args) -> dict:
+def oracle_method(target, refs: dict):
+    from eagle3_platform.spec.oracle import OracleDrafter
+
+    cfg = PRESETS["chain"]
+
+    def run(ids, max_new):
+        oracle = OracleDrafter(refs[tuple(ids)], target.model.config.vocab_size, cfg.num_steps,
+                               siblings=False, always_correct=True)
+        tokens, stats = SpecEngine(target, oracle, cfg).generate(ids, max_new)
+        return tokens, dict(stats)
+    return run
+
+
+def build_methods(target, draft, args, refs: dict) -> dict:
     base = SpecEngine(target, None, PRESETS["baseline"])
     methods = {"hf_greedy": hf_method(target, base.eos_ids),
                "hf_prompt_lookup": hf_method(target, base.eos_ids,
@@ -73,16 +88,20 @@ def build_methods(target, draft, args) -> dict:
     if draft is not None:
         for name in args.spec:
             methods[f"eagle3_{name}"] = engine_method(SpecEngine(target, draft, get_preset(name)))
+    if args.oracle:
+        methods["oracle_chain"] = oracle_method(target, refs)
     return methods
 
 
-def bench(methods: dict, prompts: list[list[int]], args) -> dict:
+def bench(methods: dict, prompts: list[list[int]], args, refs: dict) -> dict:
     rows = []  # one per (repeat, prompt, method)
     for r in range(args.repeats):
         for p, ids in enumerate(prompts):
             for name, run in methods.items():
                 t0 = time.perf_counter()
                 tokens, stats = run(ids, args.max_new_tokens)
+                if name == "hf_greedy":
+                    refs[tuple(ids)] = tokens  # hf_greedy runs first: the oracle's continuation
                 rows.append({"repeat": r, "prompt": p, "method": name, "tokens": tokens,
                              "seconds": time.perf_counter() - t0, "stats": stats})
             print(f"[bench] repeat {r + 1}/{args.repeats} prompt {p + 1}/{len(prompts)}", file=sys.stderr,
@@ -123,6 +142,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared box)")
     ap.add_argument("--spec", nargs="+", default=["chain", "tree"])
     ap.add_argument("--prompt-lookup-tokens", type=int, default=10)
+    ap.add_argument("--oracle", action="store_true", help="add the oracle_chain ceiling row")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -135,10 +155,13 @@ def main(argv=None) -> int:
         prompts = [ids for _, ids in load_prompts(args.prompts, target.tokenizer, args.n_prompts)]
     else:
         prompts = [render_prompt(target.tokenizer, first_turn(r)) for r in mtbench_prompts(args.n_prompts)]
-    methods = build_methods(target, draft, args)
-    for run in methods.values():  # warm-up: allocator, kernels, lazy inits
-        run(prompts[0], 8)
-    figures = bench(methods, prompts, args)
+    refs: dict = {}
+    methods = build_methods(target, draft, args, refs)
+    for name, run in methods.items():  # warm-up: allocator, kernels, lazy inits
+        tokens, _ = run(prompts[0], 8)
+        if name == "hf_greedy":
+            refs[tuple(prompts[0])] = tokens
+    figures = bench(methods, prompts, args, refs)
     result = {"figures": figures, "config": {**vars(args), "n_prompts": len(prompts),
                                              "torch_threads": torch.get_num_threads()},
               "command": " ".join(sys.argv)}
