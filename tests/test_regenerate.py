@@ -384,3 +384,31 @@ def test_cli_filter_wiring(tiny_target_dir, tmp_path, capsys):
     assert (summary["read"], summary["kept"], summary["rejected"]) == (3, 1, 2)
     reasons = sorted(r["reason"] for r in read_jsonl(tmp_path / "rej.jsonl"))
     assert reasons == ["bad:too_long", "pii:EMAIL_ADDRESS"]
+
+
+# ---------------------------------------------------------------------------------------- SmolLM2
+
+@pytest.mark.e2e
+def test_smollm2_regeneration_matches_generate(smollm2_dir, tmp_path):
+    """The real target: records are consistent with render, and the batched local path answers the
+    first turn exactly as a plain greedy `model.generate` on each prompt alone."""
+    from eagle3_platform.target import load_target
+
+    prompts = [prompt_record(0, ["What is the capital of France?"]),
+               prompt_record(1, ["Name a primary colour.", "Name another one."], system="Answer in one line."),
+               prompt_record(2, ["Write a haiku about the sea."])]
+    cfg = replace(PRESETS["demo"], max_new_tokens=12, batch_size=3)
+    inp = write_prompts(tmp_path / "in.jsonl", prompts)
+    s = regenerate_file(smollm2_dir, inp, tmp_path / "out.jsonl", cfg, scanner=NoScan())
+    assert (s["written"], s["rejected"]) == (3, 0)
+    t = load_target(smollm2_dir)
+    rows = list(read_jsonl(tmp_path / "out.jsonl"))
+    check_records(rows, prompts, t.tokenizer, "smollm2-135m-instruct")
+    for r in rows:
+        first = r["messages"][: next(i for i, m in enumerate(r["messages"]) if m["role"] == "assistant")]
+        p = render_prompt(t.tokenizer, first)
+        ref = t.model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=2,
+                               pad_token_id=2)[0, len(p):].tolist()
+        text = t.tokenizer.decode([x for x in ref if x != 2], skip_special_tokens=True)
+        answer = next(m["content"] for m in r["messages"] if m["role"] == "assistant")
+        assert answer == text
