@@ -57,12 +57,13 @@ def test_teacher_position_per_step(k):
     # teacher at position p is peaked on draft token p; draft logits at t peaked on token t+1+k
     tlogp = torch.log_softmax(20 * torch.eye(Vd)[:T][None], -1)                     # [1,T,Vd]
     logits = 20 * torch.eye(Vd)[[min(t + 1 + k, Vd - 1) for t in range(T)]][None]
-    mask = torch.ones(1, T, dtype=torch.bool)
-    mask[0, T - 1 - k:] = False                                                     # no teacher there
-    ce, hit = step_terms(k, logits, tlogp, mask)
-    assert hit[0, :T - 1 - k].all() and ce[0, :T - 1 - k].max() < 1e-3
-    ce_wrong, hit_wrong = step_terms(k + 1, logits, tlogp, mask)                    # off by one
-    assert not hit_wrong[0, :T - 2 - k].any() and ce_wrong[0, :T - 2 - k].min() > 1
+    mask = torch.zeros(1, T, dtype=torch.bool)
+    mask[0, :T - 1 - k] = True                                                      # teacher exists
+    ce, hit = step_terms(k, logits, lambda x: x, tlogp, mask)
+    assert hit.shape == (T - 1 - k,) and hit.all() and ce.max() < 1e-3
+    mask[0, T - 2 - k] = False
+    ce_wrong, hit_wrong = step_terms(k + 1, logits, lambda x: x, tlogp, mask)       # off by one
+    assert not hit_wrong.any() and ce_wrong.min() > 1
 
 
 def test_teacher_is_target_distribution_renormalised_over_draft_vocab():

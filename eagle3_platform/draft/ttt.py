@@ -130,9 +130,10 @@ def naive_ttt_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.
 AttentionFn = Callable[[torch.Tensor, list, list], torch.Tensor]
 
 
-def ttt_forward(model: Eagle3Draft, aux_hidden: torch.Tensor, input_ids: torch.Tensor, K: int,
-                attention: AttentionFn = ttt_attention):
-    """Yields (k, logits_k [B,T,Vd]) for k = 0..K-1 (position t of step k predicts x_{t+2+k})."""
+def ttt_hidden(model: Eagle3Draft, aux_hidden: torch.Tensor, input_ids: torch.Tensor, K: int,
+               attention: AttentionFn = ttt_attention):
+    """Yields (k, h_k [B,T,H]) for k = 0..K-1: the pre-norm output of step k (position t predicts
+    x_{t+2+k} through model.logits)."""
     B, T = input_ids.shape
     n_rep = model.cfg.num_attention_heads // model.cfg.num_key_value_heads
     hidden = model.project(aux_hidden)                                # [B,T,H] = fc(g)
@@ -145,17 +146,27 @@ def ttt_forward(model: Eagle3Draft, aux_hidden: torch.Tensor, input_ids: torch.T
         ks.append(repeat_kv(kk, n_rep))
         vs.append(repeat_kv(vv, n_rep))
         hidden = model.midlayer.finish(hidden, attention(q, ks, vs))  # pre-norm output → next step
-        yield k, model.logits(hidden)
+        yield k, hidden
 
 
-def step_terms(k: int, logits: torch.Tensor, teacher_logp: torch.Tensor, mask: torch.Tensor):
-    """Step k: masked soft-label CE [B,T] (fp32) of draft logits [B,T,Vd] against the teacher of position
-    t+1+k, and top-1 hits [B,T] (draft argmax == teacher argmax = the target's top-1)."""
-    tgt = shift_left(teacher_logp, 1 + k)                              # [B,T,Vd] teacher at t+1+k
+def ttt_forward(model: Eagle3Draft, aux_hidden: torch.Tensor, input_ids: torch.Tensor, K: int,
+                attention: AttentionFn = ttt_attention):
+    """Yields (k, logits_k [B,T,Vd]) for k = 0..K-1 (all positions; for tests and analysis)."""
+    for k, h in ttt_hidden(model, aux_hidden, input_ids, K, attention):
+        yield k, model.logits(h)
+
+
+def step_terms(k: int, h: torch.Tensor, logits_fn, teacher_logp: torch.Tensor, mask: torch.Tensor):
+    """Step k on the supervised positions only (the lm_head over Vd dominates the head's cost, and
+    about half the positions are prompt): h [B,T,*] → per supervised position (row-major order)
+    soft-label CE [n] (fp32) against the teacher of position t+1+k, and top-1 hits [n]
+    (draft argmax == teacher argmax = the target's top-1)."""
+    b, t = mask.nonzero(as_tuple=True)                                 # invariant: t+1+k < T where mask
+    logits = logits_fn(h[b, t])                                        # [n,Vd]
+    tgt = teacher_logp[b, t + 1 + k]                                   # [n,Vd] teacher at t+1+k
     logp = torch.log_softmax(logits.float(), -1)
-    ce = -(tgt.exp() * logp).sum(-1)                                   # [B,T]
-    hit = (logits.argmax(-1) == tgt.argmax(-1)) & mask
-    return torch.where(mask, ce, torch.zeros_like(ce)), hit   # where, not *: no 0·inf on masked rows
+    ce = -(tgt.exp() * logp).sum(-1)                                   # [n]
+    return ce, logits.argmax(-1) == tgt.argmax(-1)
 
 
 class TTTLoss(nn.Module):
@@ -172,8 +183,8 @@ class TTTLoss(nn.Module):
     def forward(self, aux_hidden, input_ids, teacher_logp, masks, denominators, scale: float = 1.0):
         loss = aux_hidden.new_zeros((), dtype=torch.float32)
         correct, counted = [], []
-        for k, logits in ttt_forward(self.draft, aux_hidden, input_ids, self.K, self.attention):
-            ce, hit = step_terms(k, logits, teacher_logp, masks[k])
+        for k, h in ttt_hidden(self.draft, aux_hidden, input_ids, self.K, self.attention):
+            ce, hit = step_terms(k, h, self.draft.logits, teacher_logp, masks[k])
             loss = loss + STEP_WEIGHT_DECAY ** k * ce.sum() / denominators[k].clamp(min=1)
             correct.append(hit.sum())
             counted.append(masks[k].sum())
@@ -188,4 +199,4 @@ def batch_targets(batch: Batch, target_lm_head: torch.Tensor, draft: Eagle3Draft
 
 
 __all__ = ["Batch", "collate", "teacher", "step_masks", "ttt_attention", "naive_ttt_attention",
-           "ttt_forward", "step_terms", "shift_left", "TTTLoss", "batch_targets", "STEP_WEIGHT_DECAY"]
+           "ttt_hidden", "ttt_forward", "step_terms", "shift_left", "TTTLoss", "batch_targets", "STEP_WEIGHT_DECAY"]
