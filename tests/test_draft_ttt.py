@@ -74,6 +74,9 @@ def test_teacher_is_target_distribution_renormalised_over_draft_vocab():
     full = torch.softmax(s @ W.T, -1)[..., d2t_ids]
     torch.testing.assert_close(logp.exp(), full / full.sum(-1, keepdim=True))
     assert ok.tolist() == torch.isin((s @ W.T).argmax(-1), d2t_ids).tolist()
+    need = torch.tensor([[True, False, True, True, False]])
+    logp2, ok2 = teacher(s, W, d2t_ids, need)
+    assert torch.equal(logp2[need], logp[need]) and torch.equal(ok2[need], ok[need]) and not ok2[~need].any()
 
 
 @pytest.mark.parametrize("K", [1, 2, 3, 4])

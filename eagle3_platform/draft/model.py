@@ -3,7 +3,7 @@ concat(normed token embedding, normed hidden stream) (2H wide) + norm + lm_head 
 
 Parameter and buffer names match SGLang's `LlamaForCausalLMEagle3` checkpoint layout exactly
 (`fc.weight`, `midlayer.*`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`); `embed_tokens` is the
-target's frozen embedding and is never exported (export.EXPORT_EXCLUDE).
+target's frozen embedding and is never exported (head_state_dict() leaves it out).
 
 Interface used by the engine (spec/) and by TTT training (draft/ttt.py):
   embed(ids) → project(aux_hidden) → backbone(emb, hidden, position_ids, ...) → logits(h).

@@ -58,22 +58,26 @@ def collate(samples: Sequence[dict], max_len: int | None = None) -> Batch:
 
 
 @torch.no_grad()
-def teacher(last_hidden: torch.Tensor, target_lm_head: torch.Tensor, draft_to_target: torch.Tensor):
+def teacher(last_hidden: torch.Tensor, target_lm_head: torch.Tensor, draft_to_target: torch.Tensor,
+            need: torch.Tensor | None = None):
     """last_hidden [B,T,H] (target post-norm), target_lm_head [V,H], draft_to_target [Vd] →
     (teacher log-probs over the draft vocab [B,T,Vd] fp32, target top-1 in draft vocab [B,T] bool).
+    need [B,T] bool: compute only these rows (others: log-probs 0, in_vocab False — never supervised).
     Chunked so the full [*,V] logits never exist for more than TEACHER_CHUNK rows at a time."""
     B, T, H = last_hidden.shape
-    flat = last_hidden.reshape(-1, H).float()
-    in_vocab = torch.zeros(V := target_lm_head.shape[0], dtype=torch.bool)
+    rows = (need.reshape(-1) if need is not None else torch.ones(B * T, dtype=torch.bool)).nonzero()[:, 0]
+    flat = last_hidden.reshape(-1, H)[rows].float()                  # [n,H]
+    W = target_lm_head.float()                                       # [V,H]
+    in_vocab = torch.zeros(W.shape[0], dtype=torch.bool)             # [V]
     in_vocab[draft_to_target] = True
-    logp, ok = [], []
-    W = target_lm_head.float()
+    logp = torch.zeros(B * T, draft_to_target.numel())
+    ok = torch.zeros(B * T, dtype=torch.bool)
     for i in range(0, flat.shape[0], TEACHER_CHUNK):
-        z = flat[i:i + TEACHER_CHUNK] @ W.T                          # [n,V]
-        ok.append(in_vocab[z.argmax(-1)])                            # [n]
-        logp.append(torch.log_softmax(z[:, draft_to_target], -1))    # [n,Vd] renormalised over Vd
-    assert V == in_vocab.numel()
-    return torch.cat(logp).view(B, T, -1), torch.cat(ok).view(B, T)
+        z = flat[i:i + TEACHER_CHUNK] @ W.T                          # [c,V]
+        r = rows[i:i + TEACHER_CHUNK]
+        ok[r] = in_vocab[z.argmax(-1)]
+        logp[r] = torch.log_softmax(z[:, draft_to_target], -1)       # [c,Vd] renormalised over Vd
+    return logp.view(B, T, -1), ok.view(B, T)
 
 
 def step_masks(loss_mask: torch.Tensor, in_vocab: torch.Tensor, K: int) -> list[torch.Tensor]:
@@ -194,7 +198,9 @@ class TTTLoss(nn.Module):
 def batch_targets(batch: Batch, target_lm_head: torch.Tensor, draft: Eagle3Draft, K: int):
     """Teacher log-probs [B,T,Vd] and per-step supervision masks for a batch."""
     d2t_ids = draft.to_target_ids(torch.arange(draft.cfg.draft_vocab_size))
-    tlogp, in_vocab = teacher(batch.last_hidden, target_lm_head, d2t_ids)
+    # the teacher of position p is used only when x_{p+1} is a response token (step_masks)
+    need = shift_left(batch.loss_mask, 1, fill=False)
+    tlogp, in_vocab = teacher(batch.last_hidden, target_lm_head, d2t_ids, need)
     return tlogp, step_masks(batch.loss_mask, in_vocab, K)
 
 
