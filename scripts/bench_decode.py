@@ -106,7 +106,15 @@ def bench(methods: dict, prompts: list[list[int]], args, refs: dict) -> dict:
                              "seconds": time.perf_counter() - t0, "stats": stats})
             print(f"[bench] repeat {r + 1}/{args.repeats} prompt {p + 1}/{len(prompts)}", file=sys.stderr,
                   flush=True)
+        if args.out:  # partial figures after every repeat: a cut-short run still reports
+            _write(args.out, {"figures": summarise(rows, list(methods), r + 1), "repeats_done": r + 1})
     return summarise(rows, list(methods), args.repeats)
+
+
+def _write(path, obj) -> None:
+    tmp = Path(str(path) + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
 
 
 def summarise(rows: list[dict], names: list[str], repeats: int) -> dict:
@@ -169,7 +177,7 @@ def main(argv=None) -> int:
         print(f"{m:18s} tok/s {f['tok_s_median']:7.2f}  x{f['ratio_vs_hf_greedy_median']:.2f} vs hf_greedy"
               f"  tau {f.get('tau', float('nan')):.2f}  mismatches {f['greedy_mismatches_vs_hf']}")
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2))
+        _write(args.out, result)
     print(json.dumps({m: {k: round(v, 3) for k, v in f.items() if isinstance(v, float)}
                       for m, f in figures.items()}))
     return 0
