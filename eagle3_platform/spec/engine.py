@@ -42,8 +42,10 @@ class _Seq:
 class SpecEngine:
     def __init__(self, target, draft=None, cfg: SpecConfig = PRESETS["chain"]):
         self.target, self.model, self.cfg = target, target.model, cfg
-        self.layer_ids = list(target.meta["capture_layer_ids"])
         self.draft = draft if cfg.speculative else None
+        # the head reads the layers it was trained on (its config), else the target's capture layers
+        head_layers = getattr(getattr(draft, "cfg", None), "aux_layer_ids", None)
+        self.layer_ids = list(head_layers or target.meta["capture_layer_ids"])
         self.eos_ids = eos_token_ids(self.model, target.tokenizer)
         self.dtype = next(self.model.parameters()).dtype
         self.last_stats: dict = {}
