@@ -70,8 +70,11 @@ def warm_up(url: str, api_key: str | None, messages: list[dict]) -> None:
     """One short request so lazy initialisation is not billed to the first measured cell."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     body = {"messages": messages, "max_tokens": WARMUP_TOKENS, "temperature": 0.0}
-    r = httpx.post(url.rstrip("/") + "/v1/chat/completions", json=body, headers=headers,
-                   timeout=600)
+    try:
+        r = httpx.post(url.rstrip("/") + "/v1/chat/completions", json=body, headers=headers,
+                       timeout=600)
+    except httpx.HTTPError as e:
+        raise ValueError(f"cannot reach {url}: {type(e).__name__}: {e}") from None
     if r.status_code != 200:
         raise RuntimeError(f"warm-up request to {url} failed: HTTP {r.status_code} {r.text[:300]}")
 

@@ -27,7 +27,8 @@ def add_commands(sub) -> None:
 
 
 def serve(a) -> dict:
-    from eagle3_platform.serve.server import API_KEY_ENV, build_app, build_engine, run_server
+    from eagle3_platform.serve.server import (API_KEY_ENV, bind_socket, build_app, build_engine,
+                                              run_server)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if a.threads:
@@ -37,9 +38,10 @@ def serve(a) -> dict:
                                   max_queue=a.max_queue, model_name=a.model_name)
     if cfg.max_tokens < 1 or cfg.max_queue < 1:
         raise ValueError("--max-tokens and --max-queue must be >= 1")
+    sock = bind_socket(cfg.host, cfg.port)  # before the model loads: a busy port fails at once
     engine, target, info = build_engine(a.target, a.draft, a.spec, a.dtype)
     context = int(getattr(target.model.config, "max_position_embeddings", 2048))
     name = info["target_id"] + ("-eagle3" if info["draft"] else "")
     app = build_app(engine, target.tokenizer, cfg, model_name=name, context_length=context,
                     api_key=a.api_key or os.environ.get(API_KEY_ENV), info=info)
-    return run_server(app, cfg, ready_file=a.ready_file)
+    return run_server(app, cfg, ready_file=a.ready_file, sock=sock)

@@ -393,17 +393,22 @@ class _Server:
 def bind_socket(host: str, port: int) -> socket.socket:
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot bind {host}:{port}: {e.strerror or e}") from None
     sock.set_inheritable(True)
     return sock
 
 
 def run_server(app: Starlette, cfg: ServeConfig, ready_file: str | Path | None = None,
-               log_level: str = "info") -> dict:
-    """Serve until SIGTERM/SIGINT; in-flight requests get cfg.shutdown_grace_s to finish."""
+               log_level: str = "info", sock: socket.socket | None = None) -> dict:
+    """Serve until SIGTERM/SIGINT; in-flight requests get cfg.shutdown_grace_s to finish.
+    `sock`: an already bound socket (bind before loading the model to fail fast on a busy port)."""
     import uvicorn
 
-    sock = bind_socket(cfg.host, cfg.port)
+    sock = sock or bind_socket(cfg.host, cfg.port)
     host, port = sock.getsockname()[:2]
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
     if ready_file:
