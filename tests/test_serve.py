@@ -114,6 +114,8 @@ def test_stop_string_truncates_and_finishes(client):
     chunks = [json.loads(e) for e in sse_events(s.text)[:-1]]
     streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
     assert streamed == text[:text.index(stop)]
+    info = client.get("/server_info").json()
+    assert info["requests_cancelled"] == 0 and info["requests_completed"] == 3
 
 
 def test_params_reach_engine_and_max_tokens_is_bounded(client):

@@ -172,8 +172,9 @@ class Service:
                 delta = ts.feed(val)
                 if delta:
                     yield ("text", delta)
-                if ts.stopped:
-                    job.cancelled.set()  # stop string seen: the rest is not needed
+                if ts.stopped:  # stop string seen: the rest is not needed
+                    job.satisfied = True
+                    job.cancelled.set()
             tail = ts.flush()
             if tail:
                 yield ("text", tail)

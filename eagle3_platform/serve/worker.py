@@ -27,6 +27,7 @@ class Job:
     seed: int | None = None
     emit: Callable[[tuple], None] = print
     cancelled: threading.Event = field(default_factory=threading.Event)
+    satisfied: bool = False   # set with `cancelled` when the caller has all it needs (stop string)
     id: int = 0
 
 
@@ -142,7 +143,8 @@ class EngineWorker:
         finally:
             gen.close()
         info = self._stats(n_tokens, n_chunks, n_first, finished=not job.cancelled.is_set())
-        info.update(cancelled=job.cancelled.is_set(), seconds=time.perf_counter() - t0)
+        info.update(cancelled=job.cancelled.is_set() and not job.satisfied,
+                    seconds=time.perf_counter() - t0)
         t = self.totals
         t.generated_tokens += info["generated_tokens"]
         t.accepted_tokens += info["accepted_tokens"]
