@@ -100,7 +100,7 @@ def test_ddp_two_gloo_processes_match_one(tiny_target_dir, features, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     two = json.loads(r.stdout.strip().splitlines()[-1])
     assert two["world_size"] == 2 and one["world_size"] == 1 and two["steps"] == one["steps"]
-    assert two["train_tokens"] == one["train_tokens"]
+    assert two["train_tokens"] == one["train_tokens"] and "train_eval" in two
     h1 = json.loads((tmp_path / "one" / "metrics.json").read_text())["history"]
     h2 = json.loads((tmp_path / "two" / "metrics.json").read_text())["history"]
     assert [h["loss"] for h in h2] == pytest.approx([h["loss"] for h in h1], rel=1e-5)

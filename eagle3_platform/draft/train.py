@@ -308,6 +308,8 @@ def train(target_dir, feature_dirs, out_dir, cfg: TrainConfig, resume: bool = Fa
         _write_outputs(out_dir, draft, cfg, expect, feature_dirs, summary)
         _log(f"done: {total} steps; train sim. acceptance {summary['train_eval']['simulated_acceptance']:.3f}")
     barrier()
+    if rank != 0:  # every rank reports rank 0's (evaluated) summary
+        summary = json.loads((out_dir / METRICS).read_text())
     return summary
 
 
