@@ -191,3 +191,16 @@ def test_bench_cli_against_tiny_target_servers(tmp_path, prompts_file, tiny_targ
     _check_results(res, out, ["baseline", "eagle3"])
     base_cells = [r["cells"]["all"] for r in res["runs"] if r["endpoint"] == "baseline"]
     assert all(c["tau"] == pytest.approx(1.0) for c in base_cells)  # no draft: one token per step
+
+
+def test_tau_per_workload_is_pooled_over_concurrency():
+    from eagle3_platform.bench.report import tau_per_workload
+
+    runs = [{"endpoint": "eagle3", "concurrency": 1,
+             "cells": {"chat": {"accepted_tokens": 30, "verify_steps": 10, "tau": 3.0}}},
+            {"endpoint": "eagle3", "concurrency": 2,
+             "cells": {"chat": {"accepted_tokens": 10, "verify_steps": 10, "tau": 1.0},
+                       "sg": {"verify_steps": 0, "tau": 2.5}}},
+            {"endpoint": "baseline", "concurrency": 1,
+             "cells": {"chat": {"accepted_tokens": 5, "verify_steps": 5, "tau": 1.0}}}]
+    assert tau_per_workload({"runs": runs}) == {"chat": pytest.approx(2.0), "sg": 2.5}

@@ -59,6 +59,8 @@ def aggregate(records: Sequence[dict], wall_s: float | None = None) -> dict:
         "output_tokens": tokens,
         "wall_s": wall_s,
         "output_tok_per_s": tokens / wall_s if wall_s else None,
+        "accepted_tokens": accepted,
+        "verify_steps": steps,
         "tau": accepted / steps if steps else None,
         "tau_source": "requests" if steps else None,
     }

@@ -73,22 +73,35 @@ def plot_metric(results: dict, key: str, scale: float, ylabel: str, path: Path) 
     plt.close(fig)
 
 
+def tau_per_workload(results: dict, endpoint: str = "eagle3") -> dict[str, float]:
+    """τ per workload pooled over all concurrency levels: Σ accepted / Σ verify steps (cells
+    without per-request counters, e.g. SGLang, contribute their server-side τ as a plain mean)."""
+    pooled: dict[str, list[float]] = {}
+    means: dict[str, list[float]] = {}
+    for run in results["runs"]:
+        if run["endpoint"] != endpoint:
+            continue
+        for w, cell in run["cells"].items():
+            if cell.get("verify_steps"):
+                acc = pooled.setdefault(w, [0.0, 0.0])
+                acc[0] += cell["accepted_tokens"]
+                acc[1] += cell["verify_steps"]
+            elif cell.get("tau") is not None:
+                means.setdefault(w, []).append(cell["tau"])
+    out = {w: a / s for w, (a, s) in pooled.items() if s}
+    out.update({w: sum(v) / len(v) for w, v in means.items() if w not in out})
+    return out
+
+
 def plot_tau(results: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    by_w: dict[str, list[tuple[int, int]]] = {}
-    for run in results["runs"]:
-        if run["endpoint"] != "eagle3":
-            continue
-        for w, cell in run["cells"].items():
-            if cell.get("tau") is not None:
-                by_w.setdefault(w, []).append((run["concurrency"], cell["tau"]))
+    vals_by_w = tau_per_workload(results)
     fig, ax = plt.subplots(figsize=(6, 4))
-    names = sorted(by_w, key=lambda w: (w == ALL, w))
-    # τ per workload over all concurrency levels (mean of the per-run values).
-    vals = [sum(t for _, t in by_w[w]) / len(by_w[w]) for w in names]
+    names = sorted(vals_by_w, key=lambda w: (w == ALL, w))
+    vals = [vals_by_w[w] for w in names]
     ax.bar(names, vals, color="tab:orange")
     ax.axhline(1.0, color="gray", lw=1, ls="--")
     ax.set_ylabel("acceptance length τ")
@@ -111,6 +124,10 @@ def markdown(results: dict, plots: list[str]) -> str:
              "## Headline", ""]
     for k, v in h.items():
         lines.append(f"- **{k}**: {_fmt(v)}")
+    taus = tau_per_workload(results)
+    if taus:
+        lines += ["", "τ per workload (EAGLE-3, pooled over concurrency): " +
+                  ", ".join(f"{w} {t:.2f}" for w, t in sorted(taus.items()))]
     lines += ["", "## All workloads", "", *_md_table(table(rows(results)))]
     per_w = [r for r in rows(results, None) if r["workload"] != ALL]
     if per_w:
