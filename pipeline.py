@@ -141,10 +141,25 @@ def run(a: argparse.Namespace) -> dict:
             "dagster_home": str(home)}
 
 
+def _outputs(name: str, partition: str | None) -> list[str]:
+    """Storage keys that must exist for a step to count as done (state alone can be stale)."""
+    from assets.partitions import Keys
+
+    return {"filtered_prompts": lambda: [Keys.kept(partition), Keys.kept(partition, "eval")],
+            "target_responses": lambda: [Keys.conversations(partition), Keys.conversations(partition, "eval")],
+            "feature_shards": lambda: [f"{Keys.features(partition, s)}/manifest.parquet" for s in ("train", "eval")],
+            "draft_vocab": lambda: [f"{Keys.VOCAB}/vocab.safetensors"],
+            "draft_head": lambda: [f"{Keys.EXPORT}/config.json", f"{Keys.EXPORT}/model.safetensors"],
+            "deployment": lambda: [Keys.DEPLOYMENT],
+            "benchmark_report": lambda: [f"{Keys.BENCH}/report/report.md"]}[name]()
+
+
 def _step(instance, state, step, key, force, graph, selection, partition, res, uris) -> dict:
     from dagster import materialize
 
-    if not force and state.done(step, key):
+    storage = res["storage"]
+    have = all(storage.exists(k) for name in selection for k in _outputs(name, partition))
+    if not force and have and state.done(step, key):
         log(f"{step}: unchanged since its last success, skipped (--force to rebuild)")
         return {"step": step, "skipped": True}
     t = time.perf_counter()
@@ -168,6 +183,8 @@ def _failure(result) -> str:
     for ev in result.all_events:
         if ev.is_step_failure:
             err = ev.step_failure_data.error
+            while err is not None and err.cause is not None:  # the library's own exception, not the wrapper
+                err = err.cause
             return f"{ev.step_key}: {err.message.strip() if err else 'failed'}"
         if ev.event_type_value == "ASSET_CHECK_EVALUATION" and not ev.event_specific_data.passed:
             d = ev.event_specific_data

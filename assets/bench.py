@@ -33,11 +33,11 @@ def heldout_prompts(storage: StorageResource, out) -> dict:
     return counts
 
 
-def bench_args(cfg, url: str, baseline: str, prompts, out) -> list[str]:
+def bench_args(cfg, url: str, baseline: str, prompts, out, duration_s: int | None = None) -> list[str]:
     args = ["bench", "--url", url, "--baseline-url", baseline, "--prompts", str(prompts), "--out", str(out)]
     for field, flag in (("concurrency", "--concurrency"), ("duration_s", "--duration"),
                         ("max_tokens", "--max-tokens")):
-        v = cfg_get(cfg, field)
+        v = duration_s if field == "duration_s" and duration_s else cfg_get(cfg, field)
         if v is not None:
             args += [flag, ",".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)]
     return args
@@ -56,7 +56,7 @@ def benchmark_report(context: AssetExecutionContext, storage: StorageResource, t
         spec = serving.launch(tdir, export, log_path=out / "eagle3.log", preset=preset.name)
         try:
             args = bench_args(preset.area("bench"), spec.url, base.url, out / "prompts.jsonl",
-                              out / "report")
+                              out / "report", serving.bench_duration_s)
             summary = _run_cli(context, args, serving.api_key)
         finally:
             spec.stop()
@@ -78,10 +78,14 @@ def _run_cli(context, args: list[str], api_key: str | None = None) -> dict:
     env = {**os.environ, **({"EAGLE3_API_KEY": api_key} if api_key else {})}  # not on the command line
     proc = subprocess.Popen([sys.executable, "-m", "eagle3_platform.cli", *args], cwd=PROJECT_ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-    last = ""
+    summary = {}
     for line in proc.stdout:
         print(line, end="", flush=True)
-        last = line if line.strip() else last
-    if proc.wait() != 0:
-        raise RuntimeError(f"eagle3 {args[0]} failed (exit {proc.returncode}): {last.strip()}")
-    return json.loads(last)
+        if line.startswith("{"):  # the CLI's JSON summary line (its error on failure)
+            try:
+                summary = json.loads(line)
+            except json.JSONDecodeError:
+                pass
+    if proc.wait() != 0 or not summary.get("ok"):
+        raise RuntimeError(f"eagle3 {args[0]} failed (exit {proc.returncode}): {summary.get('error', '?')}")
+    return summary

@@ -4,22 +4,17 @@ import hashlib
 
 from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
 
-from assets.features import feature_shards
+from assets.features import expect_header, feature_shards, features_for
 from assets.metadata import summary_metadata
-from assets.partitions import Keys, workload_partitions
+from assets.partitions import Keys
 from resources import ComputeResource, PresetResource, StorageResource, TargetResource
 
 VOCAB_FILE = "vocab.safetensors"
 
 
-def available_workloads(storage: StorageResource, split: str = "train") -> list[str]:
-    """Workload partitions whose feature shards exist (a subset may have been materialized)."""
-    return [w for w in workload_partitions.get_partition_keys()
-            if storage.exists(f"{Keys.features(w, split)}/manifest.parquet")]
-
-
-def fetch_features(storage: StorageResource, split: str) -> list:
-    return [storage.fetch_dir(Keys.features(w, split)) for w in available_workloads(storage, split)]
+def fetch_features(storage: StorageResource, target: TargetResource, split: str, log=None) -> list:
+    """Local dirs of every workload's features for this target (a subset may be materialized)."""
+    return [storage.fetch_dir(Keys.features(w, split)) for w in features_for(storage, target, split, log)]
 
 
 def inputs_hash(*paths, extra: str = "") -> str:
@@ -30,19 +25,13 @@ def inputs_hash(*paths, extra: str = "") -> str:
     return h.hexdigest()
 
 
-def expect_header(target: TargetResource) -> dict:
-    m = target.meta()
-    return {"target_id": m["target_id"], "weights_hash": m["weights_hash"],
-            "capture_layer_ids": m["capture_layer_ids"]}
-
-
 @asset(deps=[feature_shards], group_name="draft", kinds={"pytorch", "safetensors"}, code_version="1")
 def draft_vocab(context: AssetExecutionContext, storage: StorageResource, target: TargetResource,
                 preset: PresetResource, compute: ComputeResource) -> MaterializeResult:
     """The Vd most frequent loss-masked response tokens over all workloads (d2t/t2d)."""
     from eagle3_platform.draft.vocab import save_vocab, vocab_from_features
 
-    dirs = fetch_features(storage, "train")
+    dirs = fetch_features(storage, target, "train", context.log)
     if not dirs:
         raise FileNotFoundError("no feature shards in storage: materialize feature_shards first")
     V = target.meta()["vocab_size"]
@@ -58,7 +47,7 @@ def draft_vocab(context: AssetExecutionContext, storage: StorageResource, target
                                            "--draft-vocab-size", str(vd)])
     uri = storage.publish_from(out.parent, Keys.VOCAB)
     return MaterializeResult(metadata={
-        "workloads": ", ".join(available_workloads(storage)), "vocab_uri": MetadataValue.path(uri),
+        "workloads": ", ".join(features_for(storage, target, "train")), "vocab_uri": MetadataValue.path(uri),
         "draft_vocab_size": vd, "target_vocab_size": V, **target.lineage(),
         **summary_metadata({k: v for k, v in summary.items() if k not in ("vocab", "stats")})})
 
@@ -71,7 +60,8 @@ def draft_head(context: AssetExecutionContext, storage: StorageResource, target:
     from eagle3_platform.draft.export import export_draft
     from eagle3_platform.draft.train import train
 
-    dirs, eval_dirs = fetch_features(storage, "train"), fetch_features(storage, "eval")
+    dirs = fetch_features(storage, target, "train", context.log)
+    eval_dirs = fetch_features(storage, target, "eval", context.log)
     vocab = storage.fetch(f"{Keys.VOCAB}/{VOCAB_FILE}")
     tdir, cfg = target.dir(), preset.area("train")
     # Same inputs + preset → same staging dir, so a killed training resumes from its checkpoint.
@@ -91,8 +81,8 @@ def draft_head(context: AssetExecutionContext, storage: StorageResource, target:
         **({"heldout_simulated_acceptance": float(heldout)} if heldout is not None else {}),
         "train_simulated_acceptance": float(summary.get("train_simulated_acceptance", 0.0)),
         "heldout_acc_k": MetadataValue.json((summary.get("eval") or {}).get("acc", [])),
-        "workloads": ", ".join(available_workloads(storage)),
-        "eval_workloads": ", ".join(available_workloads(storage, "eval")), **target.lineage(),
+        "workloads": ", ".join(features_for(storage, target, "train")),
+        "eval_workloads": ", ".join(features_for(storage, target, "eval")), **target.lineage(),
         "export_uri": MetadataValue.path(export_uri), "checkpoint_uri": MetadataValue.path(ckpt_uri),
         "loss_curve": MetadataValue.md(loss_table(summary.get("history") or [])),
         **summary_metadata({k: v for k, v in summary.items()

@@ -1,6 +1,8 @@
 """`feature_shards`: offline hidden states of the target (capture layers + final post-norm state) as
 safetensors shards + a parquet manifest per workload and split."""
 
+import json
+
 from dagster import (AssetCheckResult, AssetCheckSpec, AssetExecutionContext, MaterializeResult,
                      MetadataValue, asset)
 
@@ -11,6 +13,7 @@ from resources import ComputeResource, PresetResource, StorageResource, TargetRe
 from resources.preset import with_overrides
 
 
+TARGET_SIDECAR = "target.json"
 LOCAL_KEYS = ("uri", "out", "manifest", "header")  # staging paths / header reported separately
 
 
@@ -29,17 +32,38 @@ def _extract_split(context, w: str, split: str, storage, target, preset, compute
     summary = compute.run(context, lambda: extract_file(tdir, conv, out, cfg),
                           ["extract", "--target", str(tdir), "--in", str(conv), "--out", str(out),
                            "--preset", preset.name, "--max-length", str(cfg.max_length)])
+    # Sidecar naming the target these features belong to: consumers pick matching partitions cheaply.
+    (out / TARGET_SIDECAR).write_text(json.dumps(expect_header(target)))
     summary["uri"] = storage.publish_from(out, Keys.features(w, split))
     return summary
+
+
+def expect_header(target: TargetResource) -> dict:
+    """The shard header fields that tie features to one target."""
+    m = target.meta()
+    return {"target_id": m["target_id"], "weights_hash": m["weights_hash"],
+            "capture_layer_ids": m["capture_layer_ids"]}
+
+
+def features_for(storage: StorageResource, target: TargetResource, split: str, log=None) -> list[str]:
+    """Workloads whose stored features (split) were extracted from this target."""
+    want, found = expect_header(target), []
+    for w in workload_partitions.get_partition_keys():
+        key = f"{Keys.features(w, split)}/{TARGET_SIDECAR}"
+        if not storage.exists(key):
+            continue
+        if json.loads(storage.storage().get_bytes(key)) == want:
+            found.append(w)
+        elif log is not None:
+            log.warning(f"{w}/{split}: stored features belong to another target; not used")
+    return found
 
 
 def verify_stored(storage: StorageResource, target: TargetResource, w: str) -> AssetCheckResult:
     """Re-read what was stored: every shard's sha256 vs the manifest, headers vs this target."""
     from eagle3_platform.features.shards import verify_shards
 
-    meta = target.meta()
-    expect = {"target_id": meta["target_id"], "weights_hash": meta["weights_hash"],
-              "capture_layer_ids": meta["capture_layer_ids"]}
+    expect = expect_header(target)
     reports = {s: verify_shards(storage.fetch_dir(Keys.features(w, s)), expect=expect) for s in SPLITS}
     bad = [f"{s}/{b['shard']}: {b['reason']}" for s, r in reports.items() for b in r["bad"]]
     bad += [f"{s}/{u}: not in manifest" for s, r in reports.items() for u in r["unlisted"]]

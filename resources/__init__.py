@@ -4,7 +4,8 @@ EAGLE3_ENV=local (default): artifacts under the project data dir (EAGLE3_DATA_DI
 EAGLE3_ENV=gcp: artifacts in GCS (EAGLE3_GCS_BUCKET, EAGLE3_GCS_PREFIX, EAGLE3_GCP_PROJECT); set
 STORAGE_EMULATOR_HOST to use a local emulator.
 Other knobs: EAGLE3_PRESET (tiny|demo|full), EAGLE3_TARGET (model id or path), EAGLE3_COMPUTE
-(in_process|pipes), EAGLE3_SERVING (auto|embedded|sglang).
+(in_process|pipes), EAGLE3_SERVING (auto|embedded|sglang), EAGLE3_BENCH_DURATION_S (seconds per
+load-test cell, overriding the bench preset: slow shared machines).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import os
 from resources.compute import ComputeResource
 from resources.preset import PresetResource
 from resources.serving import ServingResource
-from resources.storage import GCSStorageResource, LocalStorageResource, StorageResource
+from resources.storage import GCSStorageResource, LocalStorageResource, StorageResource, default_data_dir
 from resources.target import TargetResource
 
 ENVS = ("local", "gcp")
@@ -24,7 +25,7 @@ __all__ = ["ComputeResource", "GCSStorageResource", "LocalStorageResource", "Pre
 
 def storage_for_env(env: str) -> StorageResource:
     if env == "local":
-        return LocalStorageResource()
+        return LocalStorageResource(root=default_data_dir())  # read now: EAGLE3_DATA_DIR may be set late
     if env == "gcp":
         bucket = os.environ.get("EAGLE3_GCS_BUCKET")
         if not bucket:
@@ -32,6 +33,11 @@ def storage_for_env(env: str) -> StorageResource:
         return GCSStorageResource(bucket=bucket, prefix=os.environ.get("EAGLE3_GCS_PREFIX", "eagle3"),
                                   project=os.environ.get("EAGLE3_GCP_PROJECT"))
     raise ValueError(f"EAGLE3_ENV must be one of {ENVS}, got {env!r}")
+
+
+def _int_env(name: str) -> int | None:
+    v = os.environ.get(name)
+    return int(v) if v else None
 
 
 def build_resources(env: str | None = None, preset: str | None = None, target: str | None = None,
@@ -43,5 +49,6 @@ def build_resources(env: str | None = None, preset: str | None = None, target: s
         "target": TargetResource(model=target or os.environ.get("EAGLE3_TARGET", "smollm2-135m-instruct")),
         "preset": PresetResource(name=preset or os.environ.get("EAGLE3_PRESET", "demo")),
         "compute": ComputeResource(mode=os.environ.get("EAGLE3_COMPUTE", "in_process")),
-        "serving": ServingResource(mode=os.environ.get("EAGLE3_SERVING", "auto")),
+        "serving": ServingResource(mode=os.environ.get("EAGLE3_SERVING", "auto"),
+                                   bench_duration_s=_int_env("EAGLE3_BENCH_DURATION_S")),
     }

@@ -23,6 +23,7 @@ class ServingResource(ConfigurableResource):
     num_draft_tokens: int | None = None
     keep_running: bool = False  # leave the endpoint up after `deployment` materializes
     startup_timeout_s: float = 300.0
+    bench_duration_s: int | None = None  # seconds per (endpoint, concurrency) cell; None = bench preset
 
     def resolved_mode(self) -> str:
         if self.mode != "auto":
