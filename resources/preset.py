@@ -30,8 +30,9 @@ def area_config(preset: str, area: str):
     if preset not in PRESET_NAMES:
         raise ValueError(f"unknown preset {preset!r}; expected one of {PRESET_NAMES}")
     try:
-        cfg = importlib.import_module("eagle3_platform.config")
-        return getattr(cfg.preset(preset), area, None)
+        found = getattr(importlib.import_module("eagle3_platform.config").preset(preset), area, None)
+        if found is not None:
+            return found
     except ModuleNotFoundError as e:
         if e.name != "eagle3_platform.config":
             raise

@@ -37,8 +37,10 @@ class ServingResource(ConfigurableResource):
         return "sglang" if gpu and importlib.util.find_spec("sglang") else "embedded"
 
     def spec_name(self, preset: str) -> str:
-        """Embedded engine's speculative preset: the tiny preset uses the tiny tree."""
-        return "tiny" if preset == "tiny" else "chain"
+        """The speculative-settings preset (chain | tree | tiny) the platform preset deploys with."""
+        from eagle3_platform.config import SPEC_FOR_PRESET
+
+        return SPEC_FOR_PRESET[preset]
 
     def launch(self, target_dir, draft_dir=None, log_path=None, preset: str = "demo", port=None):
         """Start an endpoint (draft_dir None = the baseline); returns a handle with .url and .stop()."""
@@ -51,11 +53,23 @@ class ServingResource(ConfigurableResource):
                                          api_key=self.api_key, spec=self.spec_name(preset),
                                          log_path=log_path, timeout=self.startup_timeout_s,
                                          extra_args=["--preset", preset])
-        from eagle3_platform.serve import sglang  # GPU path (H7's launcher)
+        from eagle3_platform.serve.sglang import SGLangServer
 
-        return sglang.start_sglang_server(target_dir, draft_dir, host=self.host,
-                                          port=self.port if port is None else port,
-                                          api_key=self.api_key, num_steps=self.num_steps,
-                                          eagle_topk=self.eagle_topk,
-                                          num_draft_tokens=self.num_draft_tokens,
-                                          log_path=log_path, timeout=self.startup_timeout_s)
+        cfg = self.sglang_config(target_dir, draft_dir, preset, port)
+        return SGLangServer(cfg, log_path=log_path, api_key=self.api_key).start(self.startup_timeout_s)
+
+    def sglang_config(self, target_dir, draft_dir, preset: str, port=None):
+        """SGLang launch settings: the three speculative ints from this resource, else from the
+        preset's spec config; none of them for the baseline (no draft)."""
+        from eagle3_platform.config import preset as platform_preset
+        from eagle3_platform.serve.sglang import SGLangConfig, free_port
+
+        spec = platform_preset(preset).spec
+        ints = {}
+        if draft_dir is not None:
+            ints = {"num_steps": self.num_steps or spec.num_steps,
+                    "eagle_topk": self.eagle_topk or spec.eagle_topk,
+                    "num_draft_tokens": self.num_draft_tokens or spec.num_draft_tokens}
+        port = self.port if port is None else port
+        return SGLangConfig(model_path=str(target_dir), draft_path=str(draft_dir) if draft_dir else None,
+                            host=self.host, port=port or free_port(self.host), **ints)

@@ -80,3 +80,24 @@ def test_dagster_definitions_validate_cli(tmp_path):
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "Validation successful" in r.stderr + r.stdout
+
+
+def test_serving_resource_sglang_settings():
+    """GPU path: the EAGLE-3 endpoint gets all three speculative ints (preset or resource), the
+    baseline none; auto picks the embedded server on a CPU machine."""
+    from resources import ServingResource
+
+    s = ServingResource(mode="sglang", port=31000)
+    cmd = s.sglang_config("/t", "/export", "demo").build_command("python")
+    assert cmd[cmd.index("--speculative-draft-model-path") + 1] == "/export"
+    assert {"--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens"} <= set(cmd)
+    assert cmd[cmd.index("--port") + 1] == "31000"
+    base = s.sglang_config("/t", None, "demo").build_command("python")
+    assert not any(a.startswith("--speculative") for a in base)
+    tree = ServingResource(mode="sglang", num_steps=5, eagle_topk=4, num_draft_tokens=16)
+    cmd = tree.sglang_config("/t", "/export", "demo").build_command("python")
+    assert cmd[cmd.index("--speculative-eagle-topk") + 1] == "4"
+    import torch
+
+    if not torch.cuda.is_available():
+        assert ServingResource().resolved_mode() == "embedded"
