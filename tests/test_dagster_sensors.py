@@ -92,3 +92,15 @@ def test_retrain_cooldown_after_latest_features(instance, monkeypatch):
     _features_materialized(instance, ["chat"])
     res = tick(draft_retrain_sensor, instance)
     assert not res.run_requests and "old" in str(res.skip_reason)
+
+
+def test_observing_the_source_asset_records_a_data_version_per_partition(instance, extra_dir):
+    from dagster._core.definitions.observe import observe
+
+    from assets.sources import workload_sources
+    from eagle3_platform.data.sources import source_fingerprint
+
+    assert observe([workload_sources], instance=instance).success
+    recs = instance.fetch_observations(AssetKey("workload_sources"), limit=10).records
+    got = {r.partition_key: r.asset_observation.tags["dagster/data_version"] for r in recs}
+    assert got == {w: source_fingerprint(w) for w in ("chat", "multi_turn", "code", "math", "long_context")}
