@@ -89,8 +89,10 @@ def _uris(result, names) -> dict:
 def _counts(result, name) -> str:
     facts = []
     for mat in result.asset_materializations_for_node(name):
-        for k in ("read", "kept", "rejected", "records", "conversations", "samples", "tokens",
-                  "heldout_simulated_acceptance"):
+        for k in ("read", "kept", "rejected", "written", "samples", "tokens", "new_tokens",
+                  "draft_vocab_size", "coverage", "steps", "train_simulated_acceptance",
+                  "heldout_simulated_acceptance", "mode", "url", "smoke_latency_s", "eagle3_tau",
+                  "tpot_speedup", "failures"):
             if k in mat.metadata:
                 facts.append(f"{k}={getattr(mat.metadata[k], 'value', mat.metadata[k])}")
     return " ".join(facts)

@@ -78,7 +78,7 @@ def _run_cli(context, args: list[str], api_key: str | None = None) -> dict:
     env = {**os.environ, **({"EAGLE3_API_KEY": api_key} if api_key else {})}  # not on the command line
     proc = subprocess.Popen([sys.executable, "-m", "eagle3_platform.cli", *args], cwd=PROJECT_ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-    summary = {}
+    summary, error = {}, ""
     for line in proc.stdout:
         print(line, end="", flush=True)
         if line.startswith("{"):  # the CLI's JSON summary line (its error on failure)
@@ -86,6 +86,9 @@ def _run_cli(context, args: list[str], api_key: str | None = None) -> dict:
                 summary = json.loads(line)
             except json.JSONDecodeError:
                 pass
+        elif "Error:" in line and not error:  # an uncaught exception's message
+            error = line.strip()
     if proc.wait() != 0 or not summary.get("ok"):
-        raise RuntimeError(f"eagle3 {args[0]} failed (exit {proc.returncode}): {summary.get('error', '?')}")
+        raise RuntimeError(f"eagle3 {args[0]} failed (exit {proc.returncode}): "
+                           f"{summary.get('error') or error or 'see the run log'}")
     return summary
