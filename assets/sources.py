@@ -1,7 +1,9 @@
 """`workload_sources`: the observable source. Its data version per workload partition is the content
 hash of the package files backing that workload, so observing it is how source changes are detected."""
 
-from dagster import DataVersion, DataVersionsByPartition, observable_source_asset
+import warnings
+
+from dagster import BetaWarning, DataVersion, DataVersionsByPartition, observable_source_asset
 
 from assets.partitions import workload_partitions
 
@@ -10,6 +12,10 @@ def fingerprints(workloads=None) -> dict[str, str]:
     from eagle3_platform.data.sources import source_fingerprint
 
     return {w: source_fingerprint(w) for w in (workloads or workload_partitions.get_partition_keys())}
+
+
+# Observable source assets are marked beta; this one is the documented way to version external data.
+warnings.filterwarnings("ignore", category=BetaWarning, message=".*observable_source_asset.*")
 
 
 @observable_source_asset(partitions_def=workload_partitions, group_name="sources",

@@ -5,7 +5,7 @@ import pytest
 from dagster import AssetKey, DagsterInstance
 
 from resources import LocalStorageResource
-from tests.dagster_helpers import check_prompts_and_responses, meta, run, tiny_resources
+from dagster_helpers import check_prompts_and_responses, meta, run, tiny_resources
 
 WORKLOAD = "code"
 
@@ -54,7 +54,7 @@ def test_corrupt_stored_shard_fails_the_blocking_check(tmp_path, tiny_target_dir
     monkeypatch.setattr(type(storage), "publish_from", publish_then_corrupt)
     run(["filtered_prompts", "target_responses"], res, instance, WORKLOAD)
     from dagster import materialize
-    from tests.dagster_helpers import GRAPH
+    from dagster_helpers import GRAPH
 
     result = materialize(GRAPH, selection=["feature_shards"], partition_key=WORKLOAD, instance=instance,
                          resources=res, raise_on_error=False)

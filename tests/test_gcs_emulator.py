@@ -84,7 +84,7 @@ def test_partition_materializes_against_gcs(gcs_resource, tiny_target_dir):
     """Same assets, same code path, GCS storage: artifacts land in the bucket, metadata shows gs:// URIs."""
     from dagster import DagsterInstance
 
-    from tests.dagster_helpers import check_prompts_and_responses, meta, run, tiny_resources
+    from dagster_helpers import check_prompts_and_responses, meta, run, tiny_resources
 
     res = tiny_resources(gcs_resource, tiny_target_dir)
     with DagsterInstance.ephemeral() as instance:
