@@ -168,6 +168,21 @@ def load_checkpoint(path: Path, draft: Eagle3Draft, opt: torch.optim.Optimizer) 
     return json.loads((path / "state.json").read_text())
 
 
+def _maybe_resume(out_dir: Path, resume: bool, draft, opt, fingerprint: dict) -> tuple[int, list]:
+    """(start step, metric history): from the checkpoint when resuming, else (0, [])."""
+    ckpt = find_checkpoint(out_dir) if resume else None
+    if ckpt is None:
+        if resume:
+            _log(f"no checkpoint in {out_dir}; starting from scratch")
+        return 0, []
+    state = load_checkpoint(ckpt, draft, opt)
+    if state["fingerprint"] != fingerprint:
+        raise ValueError(f"checkpoint {ckpt} was written for a different run (data/config); "
+                         "use a new --out or drop --resume")
+    _log(f"resumed from {ckpt} at step {state['step']}/{fingerprint['total_steps']}")
+    return state["step"], state["history"]
+
+
 # ---- evaluation ----------------------------------------------------------------------------------
 @torch.no_grad()
 def evaluate(draft: Eagle3Draft, ds, indices: list[int], lm_head: torch.Tensor, cfg: TrainConfig) -> dict:
@@ -249,19 +264,11 @@ def train(target_dir, feature_dirs, out_dir, cfg: TrainConfig, resume: bool = Fa
     total = len(plan)
     params = [p for _, p in named_trainable(draft)]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-    fingerprint = {"feature_dirs": feature_dirs, "samples": len(ds), "train": _cfg_dict(cfg),
+    # what determines the weights (thread count does not: it may change, and resume still works)
+    fingerprint = {"feature_dirs": feature_dirs, "samples": len(ds),
+                   "train": {k: v for k, v in _cfg_dict(cfg).items() if k != "num_threads"},
                    "target": expect, "total_steps": total}
-    start, history = 0, []
-    ckpt = find_checkpoint(out_dir) if resume else None
-    if ckpt is not None:
-        state = load_checkpoint(ckpt, draft, opt)
-        if state["fingerprint"] != fingerprint:
-            raise ValueError(f"checkpoint {ckpt} was written for a different run (data/config); "
-                             "use a new --out or drop --resume")
-        start, history = state["step"], state["history"]
-        _log(f"resumed from {ckpt} at step {start}/{total}")
-    elif resume:
-        _log(f"no checkpoint in {out_dir}; starting from scratch")
+    start, history = _maybe_resume(out_dir, resume, draft, opt, fingerprint)
     model = TTTLoss(draft, cfg.ttt_steps)
     ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
     K, t0, tokens = cfg.ttt_steps, time.time(), 0
@@ -269,24 +276,11 @@ def train(target_dir, feature_dirs, out_dir, cfg: TrainConfig, resume: bool = Fa
     bar = tqdm(range(start, total), desc="train", file=sys.stderr, disable=rank != 0, initial=start,
                total=total)
     for step in bar:
-        batch_idx = plan[step]
-        local = batch_idx[rank::world]
-        batch = collate([ds[i] for i in (local or batch_idx[:1])], cfg.max_len)
-        tlogp, masks = batch_targets(batch, lm_head, draft, K)
-        if not local:  # more ranks than samples: a zero-weight stand-in keeps DDP's collectives aligned
-            masks = [torch.zeros_like(m) for m in masks]
-        denom = all_sum(torch.stack([m.sum() for m in masks]))
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, total, cfg)
-        loss, c, n = ddp(batch.aux_hidden, batch.input_ids, tlogp, masks, denom, float(world))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
-        stats = all_sum(torch.cat([loss.detach().reshape(1) / world, c.float(), n.float()]))
+        stats, n_tok = _train_step(ddp, opt, params, ds, plan[step], lm_head, draft, cfg,
+                                   lr_at(step, total, cfg), rank, world)
         loss_acc, n_acc = loss_acc + float(stats[0]), n_acc + 1
         acc_c, acc_n = acc_c + stats[1:1 + K], acc_n + stats[1 + K:]
-        tokens += int(all_sum(batch.lengths.sum() if local else torch.tensor(0)))
+        tokens += n_tok
         if (step + 1) % cfg.log_every == 0 or step + 1 == total:
             acc = (acc_c / acc_n.clamp(min=1)).tolist()
             # training view: acc over supervised positions (target top-1 in the draft vocab)
@@ -311,6 +305,28 @@ def train(target_dir, feature_dirs, out_dir, cfg: TrainConfig, resume: bool = Fa
     if rank != 0:  # every rank reports rank 0's (evaluated) summary
         summary = json.loads((out_dir / METRICS).read_text())
     return summary
+
+
+def _train_step(ddp, opt, params, ds, batch_idx, lm_head, draft, cfg: TrainConfig, lr: float,
+                rank: int, world: int) -> tuple[torch.Tensor, int]:
+    """One optimizer step on this rank's share (samples rank::world) of a global batch.
+    Returns ([global loss, correct_k..., counted_k...], global real tokens)."""
+    K = cfg.ttt_steps
+    local = batch_idx[rank::world]
+    batch = collate([ds[i] for i in (local or batch_idx[:1])], cfg.max_len)
+    tlogp, masks = batch_targets(batch, lm_head, draft, K)
+    if not local:  # more ranks than samples: a zero-weight stand-in keeps DDP's collectives aligned
+        masks = [torch.zeros_like(m) for m in masks]
+    denom = all_sum(torch.stack([m.sum() for m in masks]))       # [K] global supervised counts
+    for g in opt.param_groups:
+        g["lr"] = lr
+    loss, c, n = ddp(batch.aux_hidden, batch.input_ids, tlogp, masks, denom, float(world))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+    opt.step()
+    stats = all_sum(torch.cat([loss.detach().reshape(1) / world, c.float(), n.float()]))
+    return stats, int(all_sum(batch.lengths.sum() if local else torch.tensor(0)))
 
 
 def _final_eval(draft, ds, eval_dirs, expect, lm_head, cfg: TrainConfig) -> dict:
