@@ -80,9 +80,24 @@ def _uris(result, names) -> dict:
     for name in names:
         for mat in result.asset_materializations_for_node(name):
             for k, v in mat.metadata.items():
-                if k.endswith("_uri") or k == "url":
+                if k.endswith("_uri"):
                     out[f"{name}{'/' + mat.partition if mat.partition else ''}:{k}"] = str(
                         getattr(v, "value", v) if not hasattr(v, "path") else v.path)
+    return out
+
+
+def _recorded_uris(instance, names, partition) -> dict:
+    """URIs of the latest recorded materializations (for steps skipped in this invocation)."""
+    from dagster import AssetKey, AssetRecordsFilter
+
+    out = {}
+    for name in names:
+        recs = instance.fetch_materializations(AssetRecordsFilter(
+            asset_key=AssetKey(name), asset_partitions=[partition] if partition else None), limit=1).records
+        for r in recs:
+            for k, v in r.asset_materialization.metadata.items():
+                if k.endswith("_uri"):
+                    out[f"{name}{'/' + partition if partition else ''}:{k}"] = str(getattr(v, "value", v))
     return out
 
 
@@ -163,6 +178,7 @@ def _step(instance, state, step, key, force, graph, selection, partition, res, u
     have = all(storage.exists(k) for name in selection for k in _outputs(name, partition))
     if not force and have and state.done(step, key):
         log(f"{step}: unchanged since its last success, skipped (--force to rebuild)")
+        uris.update(_recorded_uris(instance, selection, partition))
         return {"step": step, "skipped": True}
     t = time.perf_counter()
     log(f"{step}: materializing {' → '.join(selection)}")
