@@ -93,7 +93,9 @@ def test_resume_after_sigkill_gives_identical_weights(tiny_target_dir, features,
 def test_ddp_two_gloo_processes_match_one(tiny_target_dir, features, tmp_path):
     common = ["--target", str(tiny_target_dir), "--features", str(features[0])]
     one = _cli(*common, "--out", str(tmp_path / "one"))
+    # rank 0 only on the console: both ranks print the same summary line, which could interleave
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "--local-ranks-filter", "0",
            "-m", "eagle3_platform.cli", "train", "--preset", "tiny", "--threads", "1", *common,
            "--out", str(tmp_path / "two")]
     r = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)

@@ -8,6 +8,8 @@ Determinism (what makes `--resume` end with the same weights as an uninterrupted
 Multi-process: torchrun (env WORLD_SIZE/RANK) or an already-initialised process group → DDP (gloo on
 CPU). Every rank takes samples rank::world of the same global batch; the loss is normalised by the
 global count of supervised positions, so 2 processes compute the 1-process gradient of that batch.
+    torchrun --standalone --nproc_per_node 2 --local-ranks-filter 0 -m eagle3_platform.cli train ...
+(every rank returns the same summary; the filter keeps the console to one JSON line).
 """
 from __future__ import annotations
 
