@@ -109,10 +109,13 @@ def run_locust(url: str, label: str, concurrency: int, prompts_path: Path, cfg: 
         tail = (out_dir / "locust" / f"{stem}.log").read_text(errors="replace")[-2000:]
         raise RuntimeError(f"locust exited with {proc.returncode} for {stem}:\n{tail}")
     recs = list(read_jsonl(req_path, tolerate_torn_tail=True)) if req_path.exists() else []
-    if not recs:  # Locust did not start, or nothing finished: an empty cell would read as "0 failures"
-        tail = (out_dir / "locust" / f"{stem}.log").read_text(errors="replace")[-2000:]
-        raise RuntimeError(f"no request finished for {stem} (exit {proc.returncode}); a longer "
-                           f"--duration/--stop-timeout may be needed. Locust log tail:\n{tail}")
+    log_text = (out_dir / "locust" / f"{stem}.log").read_text(errors="replace")
+    if not recs and "All users spawned" not in log_text:  # Locust itself never got going
+        raise RuntimeError(f"locust did not start for {stem} (exit {proc.returncode}); log tail:\n"
+                           f"{log_text[-2000:]}")
+    if not recs:  # a slow endpoint: the cell stays (empty, flagged) and the sweep goes on
+        print(f"[bench] WARNING: no request finished for {stem} within the run + stop timeout; "
+              "a longer --duration/--stop-timeout is needed", file=sys.stderr, flush=True)
     return recs
 
 
@@ -169,6 +172,8 @@ def run_benchmark(url: str, prompts_path: str | Path, concurrency=(1, 2, 4, 8),
             if cells[ALL]["tau"] is None and tau is not None:
                 cells[ALL].update(tau=tau, tau_source=src)
             cells[ALL]["tau_server_info"] = tau
+            if not recs:
+                cells[ALL]["note"] = "no request finished in the window"
             runs.append({"endpoint": label, "url": u, "concurrency": c, "started": t0,
                          "cells": cells})
             a = cells[ALL]
