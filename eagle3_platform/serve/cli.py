@@ -20,7 +20,7 @@ def add_commands(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=None, help="server bound on max_tokens")
     p.add_argument("--max-queue", type=int, default=None, help="queued+running requests bound")
     p.add_argument("--model-name", default=None, help="id shown by /v1/models")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: the preset's)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--ready-file", default=None, help="write {url, port, pid} here once bound")
     p.set_defaults(func=serve)
@@ -31,11 +31,12 @@ def serve(a) -> dict:
                                               run_server)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if a.threads:
-        import torch
-        torch.set_num_threads(a.threads)
     cfg = PRESETS[a.preset].with_(host=a.host, port=a.port, max_tokens=a.max_tokens,
-                                  max_queue=a.max_queue, model_name=a.model_name)
+                                  max_queue=a.max_queue, model_name=a.model_name,
+                                  torch_threads=a.threads)
+    if cfg.torch_threads:
+        import torch
+        torch.set_num_threads(cfg.torch_threads)
     if cfg.max_tokens < 1 or cfg.max_queue < 1:
         raise ValueError("--max-tokens and --max-queue must be >= 1")
     sock = bind_socket(cfg.host, cfg.port)  # before the model loads: a busy port fails at once

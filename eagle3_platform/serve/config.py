@@ -17,14 +17,17 @@ class ServeConfig:
     retry_after_s: int = 1            # Retry-After header on 503
     disconnect_poll_s: float = 0.5    # how often a waiting request checks that its client is there
     model_name: str | None = None     # /v1/models id; defaults to the target id
+    # torch intra-op threads. On a small CPU box the server shares cores with Locust and a second
+    # (baseline) server: 2 spinning OpenMP threads under contention ran 5-10x slower than 1 thread.
+    torch_threads: int | None = None  # None = torch's default
 
     def with_(self, **kw) -> "ServeConfig":
         return replace(self, **{k: v for k, v in kw.items() if v is not None})
 
 
 PRESETS: dict[str, ServeConfig] = {
-    "tiny": ServeConfig(max_tokens=64, default_max_tokens=16, max_queue=32),
-    "demo": ServeConfig(max_tokens=256, default_max_tokens=64, max_queue=64),
+    "tiny": ServeConfig(max_tokens=64, default_max_tokens=16, max_queue=32, torch_threads=1),
+    "demo": ServeConfig(max_tokens=256, default_max_tokens=64, max_queue=64, torch_threads=1),
     "full": ServeConfig(max_tokens=4096, default_max_tokens=256, max_queue=256,
                         shutdown_grace_s=30.0),
 }
