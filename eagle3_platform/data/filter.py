@@ -78,6 +78,13 @@ PRESETS: dict[str, FilterConfig] = {
 }
 
 
+def allowed_entities(source: str, cfg: FilterConfig | None = None) -> tuple[str, ...]:
+    """Entity types that are not personal data in this source's text (public or synthetic sources).
+    Shared by the prompt filter and the response scan in regeneration."""
+    cfg = cfg or PRESETS["demo"]
+    return cfg.public_entities if cfg.is_public(source) else ()
+
+
 class _Reject(Exception):
     def __init__(self, reason: str):
         self.reason = reason
@@ -222,18 +229,18 @@ class _Run:
         found = iter(self.scanner.scan_many(texts))
         for rec in self.pending:
             per_msg = [next(found) for _ in rec.messages]
-            if self.cfg.is_public(rec.source):
-                per_msg = [self._allow_public(fs) for fs in per_msg]
+            allowed = allowed_entities(rec.source, self.cfg)
+            if allowed:
+                per_msg = [self._allow(fs, allowed) for fs in per_msg]
             try:
                 self.kept.append(_apply_pii(rec, per_msg, self.policy, self.scanner, self.redactions))
             except _Reject as r:
                 self.reject(rec, r.reason)
         self.pending = []
 
-    def _allow_public(self, findings: list[Finding]) -> list[Finding]:
-        allowed = [f for f in findings if f.entity_type in self.cfg.public_entities]
-        self.public_allowed.update(f.entity_type for f in allowed)
-        return [f for f in findings if f.entity_type not in self.cfg.public_entities]
+    def _allow(self, findings: list[Finding], allowed: tuple[str, ...]) -> list[Finding]:
+        self.public_allowed.update(f.entity_type for f in findings if f.entity_type in allowed)
+        return [f for f in findings if f.entity_type not in allowed]
 
     def progress(self) -> None:
         dt = time.perf_counter() - self.t0

@@ -134,22 +134,30 @@ def _eos_ids(tokenizer) -> set[int]:
     return set() if eos is None else set(eos if isinstance(eos, list) else [eos])
 
 
-def scan_reason(scanner, texts: list[str]) -> str | None:
-    """`pii_response:TYPE` / `dlp_response:TYPE` for the first offending response; the text is never logged."""
+def scan_reason(scanner, texts: list[str], allowed: tuple[str, ...] = ()) -> str | None:
+    """`pii_response:TYPE` / `dlp_response:TYPE` for the first offending response; the text is never logged.
+    `allowed`: entity types that are not personal data for this record's source (filter.allowed_entities)."""
     if scanner is None or not texts:
         return None
     found = scanner.scan_many(texts) if hasattr(scanner, "scan_many") else [scanner.scan(t) for t in texts]
     for findings in found:
+        findings = [f for f in findings if f.entity_type not in allowed]
         if findings:
             f = sorted(findings, key=lambda f: (not getattr(f, "is_secret", False), f.entity_type))[0]
             return f"{'dlp' if getattr(f, 'is_secret', False) else 'pii'}_response:{f.entity_type}"
     return None
 
 
+def _allowed_entities(source: str) -> tuple[str, ...]:
+    from eagle3_platform.data.filter import allowed_entities  # lazy: filter pulls in presidio
+
+    return allowed_entities(source)
+
+
 def finalize(c: Convo, tok, scanner, meta: dict, gen: dict) -> ConversationRecord | Rejection:
     """The conversation's one output row: a record with ids + mask, or a rejection with a reason."""
     answers = [m["content"] for m in c.history if m["role"] == "assistant"]
-    reason = c.reject or scan_reason(scanner, answers)
+    reason = c.reject or scan_reason(scanner, answers, _allowed_entities(c.rec.source))
     if reason is None:
         try:
             ids, mask = render(tok, c.history)
