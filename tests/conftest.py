@@ -54,3 +54,14 @@ def smollm2_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("smollm2") / "target"
     prepare_target(SMOLLM2, out)
     return out
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny ops on a loaded 2-core box: intra-op threading costs far more than it saves."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

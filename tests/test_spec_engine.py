@@ -11,13 +11,7 @@ from eagle3_platform.spec.testing import random_draft as make_random_draft
 from eagle3_platform.spec.testing import varied_target
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny ops on a loaded 2-core box: intra-op threading costs ~30x more than it saves."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PROMPTS = ["What is the capital of France?", "Write a function that sorts a list of numbers.",
            "Summarize the following article."]

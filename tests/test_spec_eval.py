@@ -11,12 +11,7 @@ from eagle3_platform import cli
 from eagle3_platform.records import Message, PromptRecord, write_jsonl_atomic
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

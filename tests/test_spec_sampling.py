@@ -14,13 +14,7 @@ from eagle3_platform.spec.testing import VariedTargetConfig, random_draft, varie
 from eagle3_platform.spec.tree import Tree
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny ops on a loaded 2-core box: intra-op threading costs ~30x more than it saves."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 P_MIN = 1e-3  # reject "same distribution" below this chi-square p-value
 

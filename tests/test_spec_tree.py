@@ -8,13 +8,7 @@ from eagle3_platform.spec.tree import (Tree, ancestor_matrix, depths, keep_path_
                                        tree_attention_mask, tree_positions)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny ops on a loaded 2-core box: intra-op threading costs ~30x more than it saves."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 #        0
