@@ -25,7 +25,7 @@ def _filter_split(context, w: str, split: str, storage, target, preset, compute)
     raw, kept, rej = stage / "raw.jsonl", stage / "kept.jsonl", stage / "rejected.jsonl"
     tdir = target.dir()
     compute.run(context, lambda: write_workload(w, raw, split=split, limit=limit, cfg=src_cfg),
-                ["sources", "--workload", w, "--split", split, "--out", str(raw)]
+                ["sources", "--workload", w, "--split", split, "--out", str(raw), "--preset", preset.name]
                 + (["--limit", str(limit)] if limit is not None else []))
     # The eval table is filtered for PII too, but never decontaminated against itself.
     keys = eval_keys() if split == "train" else None

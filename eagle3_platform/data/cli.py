@@ -16,6 +16,7 @@ def add_commands(sub) -> None:
     p.add_argument("--out", required=True, help="output JSONL")
     p.add_argument("--split", choices=("train", "eval"), default="train")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--preset", default="full", help="source preset (limits, long-context size): tiny | demo | full")
     p.set_defaults(func=cmd_sources)
 
     p = sub.add_parser("filter", help="validate, dedupe, decontaminate and PII/DLP-filter prompt records")
@@ -55,7 +56,7 @@ def add_commands(sub) -> None:
 def cmd_sources(a) -> dict:
     from eagle3_platform.data.sources import write_workload
 
-    return write_workload(a.workload, a.out, split=a.split, limit=a.limit, seed=a.seed)
+    return write_workload(a.workload, a.out, split=a.split, limit=a.limit, seed=a.seed, cfg=a.preset)
 
 
 def cmd_filter(a) -> dict:
