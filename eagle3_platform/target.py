@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from eagle3_platform.paths import cache_root  # noqa: F401  (re-exported: callers use target.cache_root)
 from eagle3_platform.records import sha256_file
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -48,10 +49,6 @@ class Target:
     @property
     def layer_ids(self) -> list[int]:
         return self.meta["capture_layer_ids"]
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("EAGLE3_CACHE", Path.home() / ".cache" / "eagle3"))
 
 
 def smollm2_gguf_path() -> Path:

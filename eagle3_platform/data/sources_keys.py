@@ -14,6 +14,8 @@ import string
 import sys
 import unicodedata
 from pathlib import Path
+
+from eagle3_platform.paths import cache_root
 from typing import Callable
 
 from eagle3_platform.records import sha256_file
@@ -37,8 +39,7 @@ def decontam_key(text: str) -> str:
 
 
 def cache_dir() -> Path:
-    # same rule as eagle3_platform.target.cache_root, kept here so sources never import torch
-    return Path(os.environ.get("EAGLE3_CACHE", Path.home() / ".cache" / "eagle3")) / "sources"
+    return cache_root() / "sources"
 
 
 def _write_json_atomic(path: Path, obj: object) -> None:
