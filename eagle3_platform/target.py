@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from eagle3_platform.compute import resolve_dtype
 from eagle3_platform.paths import cache_root  # noqa: F401  (re-exported: callers use target.cache_root)
 from eagle3_platform.records import sha256_file
 
@@ -90,8 +91,10 @@ def read_meta(path: str | Path) -> dict:
 
 
 def load_target(path: str | Path, dtype: str = "float32", device: str = "cpu") -> Target:
+    """dtype: 'auto' | 'bfloat16' | 'float32' (compute.resolve_dtype); recorded in meta['dtype']."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    dtype = resolve_dtype(dtype, device)
     path = Path(path)
     if not (path / META_FILE).exists():
         raise FileNotFoundError(f"{path} is not a prepared target; run `eagle3 prepare-target`")
@@ -99,7 +102,7 @@ def load_target(path: str | Path, dtype: str = "float32", device: str = "cpu") -
     tok = AutoTokenizer.from_pretrained(path)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    return Target(model=model, tokenizer=tok, meta=read_meta(path))
+    return Target(model=model, tokenizer=tok, meta={**read_meta(path), "dtype": dtype})
 
 
 def _describe(path: Path, model: str, source_hash: str) -> dict:

@@ -33,15 +33,17 @@ STAGE = "target_responses"
 @dataclass(frozen=True)
 class RegenConfig:
     max_new_tokens: int  # per assistant turn
-    batch_size: int  # local: conversations decoded together
+    batch_size: int  # local: most conversations decoded together
     do_sample: bool
     temperature: float
     top_p: float
     seed: int  # sampling: per-record RNG = hash(seed, record id, turn)
     max_length: int  # prompt + response token budget of a whole rendered conversation
     concurrency: int  # endpoint: conversations in flight
-    dtype: str = "float32"  # local target weights
-    torch_threads: int = 0  # local: >0 pins torch's intra-op threads (tiny ops drown in thread sync on a busy box)
+    # local: KV entries (rows x (longest prompt + max_new_tokens)) one batch may hold; capped by RAM
+    batch_tokens: int = 65536
+    dtype: str = "auto"  # local compute dtype: auto = bf16 where the hardware has it (compute.py)
+    torch_threads: int = 0  # local: 0 = all cores (the step runs alone); >0 pins (a shared box)
     request_timeout_s: float = 600.0
     max_retries: int = 5
     backoff_s: float = 0.5
@@ -49,16 +51,20 @@ class RegenConfig:
 
 
 PRESETS: dict[str, RegenConfig] = {
+    # Tests: fp32 so greedy regeneration equals plain greedy `generate` exactly.
     "tiny": RegenConfig(max_new_tokens=16, batch_size=4, do_sample=False, temperature=0.0, top_p=1.0,
-                        seed=0, max_length=512, concurrency=2, torch_threads=1, progress_every_s=2.0),
-    # The whole demo graph must fit in ~20 min on 2 CPU cores: short greedy answers.
-    # One torch thread: the demo runs beside other assets on 2 cores, and an oversubscribed box made
-    # 2-thread decoding 6-8x slower (SmolLM2, batch 4), not faster.
-    "demo": RegenConfig(max_new_tokens=80, batch_size=8, do_sample=False, temperature=0.0, top_p=1.0,
-                        seed=0, max_length=1024, concurrency=4, torch_threads=1),
+                        seed=0, max_length=512, concurrency=2, dtype="float32", torch_threads=1,
+                        progress_every_s=2.0),
+    # The demo graph must fit in 20 min on 2 CPU cores. bf16 batches of up to 64 on both cores run
+    # ~10x the old fp32 batch-8 single-thread path; the step runs alone, so it takes every core.
+    "demo": RegenConfig(max_new_tokens=128, batch_size=64, do_sample=False, temperature=0.0, top_p=1.0,
+                        seed=0, max_length=1024, concurrency=4),
+    # CPU training run: more and longer answers, batch 128 (bf16 peaks there on 2 cores).
+    "cpu": RegenConfig(max_new_tokens=256, batch_size=128, do_sample=False, temperature=0.0, top_p=1.0,
+                       seed=0, max_length=1536, concurrency=4, batch_tokens=98304),
     # Production: sampled answers (diversity) at the target's usual settings, usually via SGLang/vLLM.
     "full": RegenConfig(max_new_tokens=1024, batch_size=32, do_sample=True, temperature=0.7, top_p=0.95,
-                        seed=0, max_length=4096, concurrency=64, dtype="bfloat16"),
+                        seed=0, max_length=4096, concurrency=64),
 }
 
 
@@ -266,6 +272,7 @@ def read_prompts(in_path) -> list[Convo]:
 def run_local(target_dir, convos: list[Convo], turns: Turns, cfg: RegenConfig, done: set[str], emit) -> None:
     """Batched local decoding. Batches are planned over all records (sorted by first-prompt length) so a
     resumed run recomputes a partially written batch with exactly the same companions."""
+    from eagle3_platform.compute import set_threads
     from eagle3_platform.target import load_target
 
     for c in convos:
@@ -275,20 +282,49 @@ def run_local(target_dir, convos: list[Convo], turns: Turns, cfg: RegenConfig, d
         if c.reject is not None and c.rec.id not in done:
             emit(c)
     live = [c for c in convos if c.reject is None]
-    if not all(c.rec.id in done for c in live):
-        if cfg.torch_threads > 0:
-            import torch
-            torch.set_num_threads(cfg.torch_threads)
-        target = load_target(target_dir, dtype=cfg.dtype)
-        plan = sorted(live, key=lambda c: len(render_prompt(turns.tok, c.segments[0])))  # stable
-        for i in range(0, len(plan), cfg.batch_size):
-            batch = plan[i: i + cfg.batch_size]
-            if all(c.rec.id in done for c in batch):
-                continue
-            decode_turns(target.model, batch, turns, cfg)
-            for c in batch:
-                if c.rec.id not in done:
-                    emit(c)
+    if all(c.rec.id in done for c in live):
+        return
+    set_threads(cfg.torch_threads)
+    target = load_target(target_dir, dtype=cfg.dtype)
+    lengths = {c.rec.id: len(render_prompt(turns.tok, c.segments[0])) for c in live}
+    plan = sorted(live, key=lambda c: lengths[c.rec.id])  # stable
+    budget = min(cfg.batch_tokens, kv_token_budget(target.model))
+    for batch in plan_batches(plan, [lengths[c.rec.id] for c in plan], cfg, budget):
+        if all(c.rec.id in done for c in batch):
+            continue
+        decode_turns(target.model, batch, turns, cfg)
+        for c in batch:
+            if c.rec.id not in done:
+                emit(c)
+
+
+def plan_batches(plan: list, prompt_lengths: list[int], cfg: RegenConfig, budget: int) -> list[list]:
+    """Consecutive groups of the length-sorted plan: at most batch_size rows, and rows x (longest prompt
+    + max_new_tokens) <= budget KV entries (one row always fits). Deterministic given the plan, so a
+    resumed run sees the same batches."""
+    batches, cur, longest = [], [], 0
+    for c, n in zip(plan, prompt_lengths):
+        longest_if = max(longest, n)
+        if cur and (len(cur) >= cfg.batch_size or (len(cur) + 1) * (longest_if + cfg.max_new_tokens) > budget):
+            batches.append(cur)
+            cur, longest_if = [], n
+        cur.append(c)
+        longest = longest_if
+    return batches + ([cur] if cur else [])
+
+
+def kv_token_budget(model, fraction: float = 0.25) -> int:
+    """KV entries that fit in `fraction` of the machine's RAM (its total, not what is free now, so the
+    plan does not change between a run and its resume)."""
+    import os
+
+    c = model.config
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    itemsize = next(model.parameters()).element_size()
+    per_token = 2 * c.num_hidden_layers * kv_heads * head_dim * itemsize  # K and V of every layer
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(1, int(ram * fraction) // per_token)
 
 
 def decode_turns(model, batch: list[Convo], turns: Turns, cfg: RegenConfig) -> None:
