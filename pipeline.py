@@ -34,10 +34,11 @@ def log(msg: str) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from eagle3_platform.config import PRESET_NAMES
     from eagle3_platform.records import WORKLOADS
 
     p = argparse.ArgumentParser(prog="pipeline", description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default=os.environ.get("EAGLE3_PRESET", "demo"), choices=["tiny", "demo", "full"])
+    p.add_argument("--preset", default=os.environ.get("EAGLE3_PRESET", "demo"), choices=PRESET_NAMES)
     p.add_argument("--target", default=None, help="smollm2-135m-instruct | tiny-random | PATH")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated partitions")
     p.add_argument("--through", default="benchmark_report", choices=ORDER, help="last asset to build")

@@ -48,6 +48,13 @@ def torch_dtype(name: str, device: str = "cpu") -> torch.dtype:
     return getattr(torch, resolve_dtype(name, device))
 
 
+def autocast(dtype: str, device: str = "cpu"):
+    """bf16 autocast when `dtype` resolves to bfloat16 (parameters stay fp32: mixed precision), else a
+    no-op context."""
+    on = resolve_dtype(dtype, device) == "bfloat16"
+    return torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=on)
+
+
 def resolve_threads(threads: int) -> int:
     """0 = every core this process may use (the step runs alone); >0 = pinned (servers share cores)."""
     if threads < 0:

@@ -1,4 +1,4 @@
-"""Named presets for the whole platform: one name (tiny | demo | full) selects every area's config.
+"""Named presets for the whole platform: one name (tiny | demo | cpu | full) selects every area's config.
 
 Each area owns its typed config and its PRESETS (sources, pii, filter, regen, features, train, serve,
 bench); this module only composes them, so there is one source of truth per setting. Speculative
@@ -18,9 +18,11 @@ from eagle3_platform.features.extract import PRESETS as FEATURES, FeatureConfig
 from eagle3_platform.serve.config import PRESETS as SERVE, ServeConfig
 from eagle3_platform.spec.config import PRESETS as SPEC, SpecConfig
 
-PRESET_NAMES = ("tiny", "demo", "full")
+# tiny: tests; demo: README command 1 on 2 CPU cores (<= 20 min); cpu: the best head 2 cores can train in
+# <= 2 h; full: GPU-scale training.
+PRESET_NAMES = ("tiny", "demo", "cpu", "full")
 # tiny runs on a random target, where drafting shape matters less than test speed.
-SPEC_FOR_PRESET = {"tiny": "tiny", "demo": "chain", "full": "chain"}
+SPEC_FOR_PRESET = {"tiny": "tiny", "demo": "chain", "cpu": "chain", "full": "chain"}
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,9 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 def add_commands(sub) -> None:
     p = sub.add_parser("run", help="run the whole graph (prompts → … → benchmark report) through Dagster")
-    p.add_argument("--preset", default="demo", choices=["tiny", "demo", "full"])
+    from eagle3_platform.config import PRESET_NAMES
+
+    p.add_argument("--preset", default="demo", choices=PRESET_NAMES)
     p.add_argument("--target", default=None, help="smollm2-135m-instruct | tiny-random | PATH")
     p.add_argument("--workloads", default=None, help="comma-separated partitions (default: all)")
     p.add_argument("--through", default=None, help="last asset to materialize (default: benchmark_report)")

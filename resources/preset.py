@@ -10,7 +10,7 @@ import importlib
 
 from dagster import ConfigurableResource
 
-PRESET_NAMES = ("tiny", "demo", "full")
+from eagle3_platform.config import PRESET_NAMES
 
 # Fallback only: where each area keeps its PRESETS when eagle3_platform.config is absent.
 _AREA_MODULES = {

@@ -46,6 +46,8 @@ PRESETS: dict[str, BenchConfig] = {
     "tiny": BenchConfig(concurrency=(1, 2), duration_s=4, max_tokens=16, max_prompt_chars=1000),
     "demo": BenchConfig(concurrency=(1, 2, 4, 8), duration_s=30, max_tokens=64,
                         max_prompt_chars=4000),
+    "cpu": BenchConfig(concurrency=(1, 2, 4, 8), duration_s=30, max_tokens=64,
+                       max_prompt_chars=4000),
     "full": BenchConfig(concurrency=(1, 2, 4, 8, 16, 32, 64), duration_s=120, max_tokens=256),
 }
 

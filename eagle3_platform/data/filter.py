@@ -74,6 +74,7 @@ class FilterConfig:
 PRESETS: dict[str, FilterConfig] = {
     "tiny": FilterConfig(scan_batch=8, progress_every=10**9),
     "demo": FilterConfig(),
+    "cpu": FilterConfig(scan_batch=128, progress_every=1000),
     "full": FilterConfig(scan_batch=256, progress_every=20_000),
 }
 

@@ -75,6 +75,7 @@ class PiiConfig:
 PRESETS: dict[str, PiiConfig] = {
     "tiny": PiiConfig(batch_size=8),
     "demo": PiiConfig(),
+    "cpu": PiiConfig(),
     "full": PiiConfig(batch_size=64),
 }
 

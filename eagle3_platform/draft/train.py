@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from eagle3_platform.compute import autocast, set_threads
 from eagle3_platform.draft.metrics import simulated_acceptance
 from eagle3_platform.draft.model import DraftConfig, Eagle3Draft, build_draft, target_head_weights, \
     target_hf_config
@@ -58,13 +59,17 @@ class TrainConfig:
     # lm_head/norm from the target's rows: measured worse (initial CE 31 vs 15 on SmolLM2 demo features,
     # since fc(g) is not the target's final state), so off; kept as an option
     init_from_target: bool = False
-    num_threads: int | None = None     # torch intra-op threads (None: torch default)
+    num_threads: int | None = None     # torch intra-op threads (None/0: every core)
+    # compute dtype of the head's forward (bf16 autocast where native, compute.resolve_dtype); master
+    # weights and AdamW state stay fp32 and the loss is computed in fp32 (ttt.step_terms)
+    dtype: str = "auto"
 
 
 PRESETS: dict[str, TrainConfig] = {
     # unit tests: seconds on the tiny target
     "tiny": TrainConfig(ttt_steps=3, draft_vocab_size=64, lr=1e-3, warmup_ratio=0.2, batch_tokens=256,
-                        max_len=128, epochs=2, ckpt_every=2, log_every=1, eval_samples=8),
+                        max_len=128, epochs=2, ckpt_every=2, log_every=1, eval_samples=8,
+                        dtype="float32"),
     # embedded default run on 2 CPU cores, a few thousand tokens, a few minutes: K=4 instead of 7 (about
     # half the cost per token; steps 5-7 add little to acceptance at this data size); lr 1e-3 because
     # a few dozen steps at the public 1e-4 barely move a fresh head (1e-4 assumes ~10^5 steps);
@@ -73,6 +78,10 @@ PRESETS: dict[str, TrainConfig] = {
     "demo": TrainConfig(ttt_steps=4, draft_vocab_size=4096, lr=1e-3, warmup_ratio=0.05,
                         batch_tokens=1024, max_len=1024, epochs=4, ckpt_every=10, log_every=2,
                         eval_samples=64),
+    # the best head 2 CPU cores train within the cpu preset's 2 hours (~1M regenerated tokens)
+    "cpu": TrainConfig(ttt_steps=4, draft_vocab_size=8192, lr=1e-3, warmup_ratio=0.03,
+                       batch_tokens=4096, max_len=2048, epochs=2, ckpt_every=20, log_every=10,
+                       eval_samples=128),
     # real training (GPU / many cores): the public EAGLE-3 / SpecForge recipe
     "full": TrainConfig(ttt_steps=7, draft_vocab_size=32000, lr=1e-4, warmup_ratio=0.03,
                         batch_tokens=16384, max_len=4096, epochs=10, ckpt_every=500, log_every=50,
@@ -202,7 +211,8 @@ def evaluate(draft: Eagle3Draft, ds, indices: list[int], lm_head: torch.Tensor, 
         tlogp, masks = batch_targets(batch, lm_head, draft, K)
         all_resp = step_masks(batch.loss_mask, torch.ones_like(batch.loss_mask), K)
         denom = torch.stack([m.sum() for m in masks])
-        loss, c, n = loss_fn(batch.aux_hidden, batch.input_ids, tlogp, masks, denom)
+        with autocast(cfg.dtype):
+            loss, c, n = loss_fn(batch.aux_hidden, batch.input_ids, tlogp, masks, denom)
         correct += c
         counted_iv += n
         counted += torch.stack([m.sum() for m in all_resp])
@@ -257,8 +267,7 @@ def train(target_dir, feature_dirs, out_dir, cfg: TrainConfig, resume: bool = Fa
     feature_dirs = [str(d) for d in feature_dirs]
     if not feature_dirs:
         raise ValueError("no feature dirs given")
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
+    set_threads(cfg.num_threads or 0)
     rank, world = dist_setup()
     out_dir.mkdir(parents=True, exist_ok=True)
     ds, draft, lm_head, vstats, expect = prepare(target_dir, feature_dirs, out_dir, cfg, vocab_path, rank)
@@ -316,13 +325,15 @@ def _train_step(ddp, opt, params, ds, batch_idx, lm_head, draft, cfg: TrainConfi
     K = cfg.ttt_steps
     local = batch_idx[rank::world]
     batch = collate([ds[i] for i in (local or batch_idx[:1])], cfg.max_len)
-    tlogp, masks = batch_targets(batch, lm_head, draft, K)
+    with autocast(cfg.dtype):  # the teacher's [n,V] matmul too; its log-softmax is fp32 (ttt.teacher)
+        tlogp, masks = batch_targets(batch, lm_head, draft, K)
     if not local:  # more ranks than samples: a zero-weight stand-in keeps DDP's collectives aligned
         masks = [torch.zeros_like(m) for m in masks]
     denom = all_sum(torch.stack([m.sum() for m in masks]))       # [K] global supervised counts
     for g in opt.param_groups:
         g["lr"] = lr
-    loss, c, n = ddp(batch.aux_hidden, batch.input_ids, tlogp, masks, denom, float(world))
+    with autocast(cfg.dtype):
+        loss, c, n = ddp(batch.aux_hidden, batch.input_ids, tlogp, masks, denom, float(world))
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)

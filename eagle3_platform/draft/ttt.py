@@ -76,7 +76,7 @@ def teacher(last_hidden: torch.Tensor, target_lm_head: torch.Tensor, draft_to_ta
         z = flat[i:i + TEACHER_CHUNK] @ W.T                          # [c,V]
         r = rows[i:i + TEACHER_CHUNK]
         ok[r] = in_vocab[z.argmax(-1)]
-        logp[r] = torch.log_softmax(z[:, draft_to_target], -1)       # [c,Vd] renormalised over Vd
+        logp[r] = torch.log_softmax(z[:, draft_to_target].float(), -1)  # [c,Vd] renormalised over Vd
     return logp.view(B, T, -1), ok.view(B, T)
 
 

@@ -51,7 +51,8 @@ class FeatureConfig:
 
 
 PRESETS: dict[str, FeatureConfig] = {
-    "tiny": FeatureConfig(samples_per_shard=4, max_length=512, batch_tokens=0),  # = regen tiny max_length
+    "tiny": FeatureConfig(samples_per_shard=4, max_length=512, batch_tokens=0,  # = regen tiny max_length
+                          target_dtype="float32"),  # tests compare against fp32 forwards
     # CPU: one conversation per forward measured faster than padded batches (bench_extract.py)
     "demo": FeatureConfig(samples_per_shard=64, max_length=2048, batch_tokens=0),
     "full": FeatureConfig(samples_per_shard=512, max_length=4096, batch_tokens=32768,

@@ -28,6 +28,7 @@ class ServeConfig:
 PRESETS: dict[str, ServeConfig] = {
     "tiny": ServeConfig(max_tokens=64, default_max_tokens=16, max_queue=32, torch_threads=1),
     "demo": ServeConfig(max_tokens=256, default_max_tokens=64, max_queue=64, torch_threads=1),
+    "cpu": ServeConfig(max_tokens=256, default_max_tokens=64, max_queue=64, torch_threads=1),
     "full": ServeConfig(max_tokens=4096, default_max_tokens=256, max_queue=256,
                         shutdown_grace_s=30.0),
 }
