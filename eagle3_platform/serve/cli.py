@@ -28,21 +28,24 @@ def add_commands(sub) -> None:
 
 def serve(a) -> dict:
     from eagle3_platform.serve.server import (API_KEY_ENV, bind_socket, build_app, build_engine,
-                                              run_server)
+                                              check_api_key, run_server)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    for flag, v in (("--max-tokens", a.max_tokens), ("--max-queue", a.max_queue), ("--threads", a.threads)):
+        if v is not None and v < 1:
+            raise ValueError(f"{flag} must be >= 1, not {v}")
+    api_key = a.api_key or os.environ.get(API_KEY_ENV)
+    check_api_key(api_key)  # before the model loads: a key no client can send is a startup error
     cfg = PRESETS[a.preset].with_(host=a.host, port=a.port, max_tokens=a.max_tokens,
                                   max_queue=a.max_queue, model_name=a.model_name,
                                   torch_threads=a.threads)
     if cfg.torch_threads:
         import torch
         torch.set_num_threads(cfg.torch_threads)
-    if cfg.max_tokens < 1 or cfg.max_queue < 1:
-        raise ValueError("--max-tokens and --max-queue must be >= 1")
     sock = bind_socket(cfg.host, cfg.port)  # before the model loads: a busy port fails at once
     engine, target, info = build_engine(a.target, a.draft, a.spec, a.dtype)
     context = int(getattr(target.model.config, "max_position_embeddings", 2048))
     name = info["target_id"] + ("-eagle3" if info["draft"] else "")
     app = build_app(engine, target.tokenizer, cfg, model_name=name, context_length=context,
-                    api_key=a.api_key or os.environ.get(API_KEY_ENV), info=info)
+                    api_key=api_key, info=info)
     return run_server(app, cfg, ready_file=a.ready_file, sock=sock)

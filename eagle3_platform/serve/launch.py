@@ -104,6 +104,9 @@ def start_embedded_server(target_dir, draft_dir=None, host: str = "127.0.0.1", p
 def spawn_server(cmd: list[str], *, api_key: str | None = None, log_path=None,
                  timeout: float = HEALTH_TIMEOUT_S, env: dict | None = None) -> ServerHandle:
     """Run a server command that understands `--ready-file PATH`; wait for it to be healthy."""
+    from eagle3_platform.serve.server import check_api_key
+
+    check_api_key(api_key or None)  # the server would refuse it at startup anyway; say so at once
     workdir = Path(tempfile.mkdtemp(prefix="eagle3-serve-"))
     log_path = Path(log_path) if log_path else workdir / "server.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)

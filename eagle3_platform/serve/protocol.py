@@ -55,7 +55,8 @@ class _Sampling(BaseModel):
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     temperature: StrictFloat | StrictInt = Field(default=0.0, ge=0.0, le=2.0)
     stop: StrictStr | list[StrictStr] | None = None
-    seed: StrictInt | None = None
+    # torch.Generator.manual_seed takes [-2^63, 2^64): anything else would fail inside the engine
+    seed: StrictInt | None = Field(default=None, ge=-(1 << 63), lt=1 << 64)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: StrictInt = Field(default=1, ge=1, le=1)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
@@ -38,6 +38,14 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 def sse(obj: dict) -> bytes:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+
+def check_api_key(key: str | None) -> None:
+    """A key a client can send: printable ASCII (HTTP header values are ASCII in practice; httpx and
+    requests refuse anything else), no surrounding whitespace (the server strips the sent token)."""
+    if key is not None and not (key.isascii() and key.isprintable() and key == key.strip()):
+        raise ValueError("API key (--api-key / $EAGLE3_API_KEY) must be printable ASCII "
+                         "without surrounding spaces: clients cannot send any other key in a header")
 
 
 def error_response(e: P.APIError) -> JSONResponse:
@@ -63,6 +71,7 @@ class Service:
         self.tok = copy.deepcopy(tokenizer)
         self.model_name = model_name
         self.context_length = context_length
+        check_api_key(api_key or None)
         self.api_key = api_key or None
         self.info = info or {}
         self.worker = EngineWorker(engine, cfg.max_queue)
@@ -76,7 +85,10 @@ class Service:
             return
         got = request.headers.get("authorization", "")
         scheme, _, token = got.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+        # bytes: compare_digest refuses non-ASCII str (a TypeError → 500 for a client's typo);
+        # headers arrive latin-1 decoded, so encoding back gives the bytes that were sent
+        sent, want = token.strip().encode("latin-1"), self.api_key.encode()
+        if scheme.lower() != "bearer" or not hmac.compare_digest(sent, want):
             raise P.APIError(401, "missing or invalid API key (Authorization: Bearer <key>)",
                              type_="authentication_error")
 
@@ -85,10 +97,13 @@ class Service:
         if declared and declared.isdigit() and int(declared) > self.cfg.max_body_bytes:
             raise P.APIError(413, f"request body larger than {self.cfg.max_body_bytes} bytes")
         body = bytearray()
-        async for part in request.stream():
-            body += part
-            if len(body) > self.cfg.max_body_bytes:
-                raise P.APIError(413, f"request body larger than {self.cfg.max_body_bytes} bytes")
+        try:
+            async for part in request.stream():
+                body += part
+                if len(body) > self.cfg.max_body_bytes:
+                    raise P.APIError(413, f"request body larger than {self.cfg.max_body_bytes} bytes")
+        except ClientDisconnect:  # upload cut mid-body: nobody to answer, nothing to log but a line
+            raise ClientGone() from None
         try:
             obj = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -208,6 +223,10 @@ class Service:
         except P.APIError as e:
             self.counts["requests_rejected"] += 1
             return error_response(e)
+        except ClientGone:
+            self.counts["requests_disconnected"] += 1
+            log.info("request body incomplete: client disconnected during upload")
+            return error_response(P.APIError(499, "client disconnected"))
         self.counts["requests_total"] += 1
         rid = P.new_id("chatcmpl" if chat else "cmpl")
         stream = self.generate(job, events, len(ids), request)
