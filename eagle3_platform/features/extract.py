@@ -25,7 +25,8 @@ from pydantic import ValidationError
 
 from eagle3_platform.features.capture import forward_capture
 from eagle3_platform.features.shards import (MANIFEST, ShardError, check_shard, read_header,
-                                             read_manifest, shard_name, write_manifest, write_shard)
+                                             read_manifest, rows_from_shards, shard_name,
+                                             write_manifest, write_shard)
 from eagle3_platform.records import ConversationRecord, Rejection, write_jsonl_atomic
 from eagle3_platform.storage import Storage, storage_from_uri
 from eagle3_platform.target import Target, load_target
@@ -186,7 +187,13 @@ class _Sink:
             self.storage.get_file(self.key(MANIFEST), self.local / MANIFEST)
         if not (self.local / MANIFEST).exists():
             return {}
-        return {r["shard"]: r for r in read_manifest(self.local).iter_rows(named=True)}
+        try:
+            manifest = read_manifest(self.local)
+        except ShardError as e:  # truncated/corrupt manifest: the shards themselves may be fine
+            rows = rows_from_shards(self.local)
+            _log(f"{e}; rebuilding it from {len(rows)} shard file(s) (headers and sample ids re-checked)")
+            return {r["shard"]: {**r, "uri": self.uri(r["shard"])} for r in rows}
+        return {r["shard"]: r for r in manifest.iter_rows(named=True)}
 
     def fetch(self, name: str, row: dict) -> bool:
         """Make the stored shard available locally; False when it is not stored."""
@@ -243,6 +250,8 @@ def extract_file(target_dir: str | Path, conv_path: str | Path, out_dir: str | P
     samples, rejected, stats = load_records(conv_path, header, cfg.max_length, target.meta["vocab_size"])
     write_jsonl_atomic(local / REJECTED, rejected)
     sink.publish(REJECTED)
+    if not samples:  # an empty feature dir would train an untrained head downstream: fail here
+        raise ValueError(_nothing_usable(conv_path, stats["read"], rejected, local / REJECTED))
     n = cfg.samples_per_shard
     slices = [samples[i:i + n] for i in range(0, len(samples), n)]
     rows, written, skipped = _run_shards(target, cfg, header, sink, slices)
@@ -253,6 +262,18 @@ def extract_file(target_dir: str | Path, conv_path: str | Path, out_dir: str | P
     itemsize = torch.empty(0, dtype=getattr(torch, cfg.dtype)).element_size()
     summary["budget_bytes_per_token"] = itemsize * (len(header["capture_layer_ids"]) + 1) * target.meta["hidden_size"]
     return summary
+
+
+def _nothing_usable(conv_path, read: int, rejected: list[Rejection], rejected_path: Path) -> str:
+    if not read:
+        return f"no conversation records in {conv_path}: nothing to extract"
+    reasons: dict[str, int] = {}
+    for r in rejected:
+        reasons[r.reason] = reasons.get(r.reason, 0) + 1
+    top = ", ".join(f"{k} x{v}" for k, v in sorted(reasons.items(), key=lambda kv: -kv[1]))
+    hint = " (records made for another target: regenerate them with this one)" \
+        if "mismatch:target_id" in reasons or "mismatch:template_hash" in reasons else ""
+    return f"all {read} records of {conv_path} rejected: {top}{hint}; details in {rejected_path}"
 
 
 def _run_shards(target, cfg, header, sink, slices) -> tuple[list[dict], list[str], list[str]]:

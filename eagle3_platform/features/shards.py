@@ -152,11 +152,41 @@ def write_manifest(directory: str | Path, rows: list[dict]) -> Path:
     return path
 
 
+MANIFEST_COLUMNS = ("shard", "samples", "tokens", "sha256", "bytes")
+
+
 def read_manifest(directory: str | Path) -> pl.DataFrame:
     path = Path(directory) / MANIFEST
     if not path.exists():
         raise FileNotFoundError(f"no feature manifest at {path} (run `eagle3 extract` first)")
-    return pl.read_parquet(path)
+    try:
+        df = pl.read_parquet(path)
+    except Exception as e:  # polars raises several types for a truncated/garbled parquet file
+        raise ShardError(f"manifest {path} is unreadable (truncated or corrupt: {type(e).__name__}); "
+                         "rerun `eagle3 extract` with the same --in/--out: it rebuilds the manifest "
+                         "from the shards") from None
+    if missing := [c for c in MANIFEST_COLUMNS if c not in df.columns]:
+        raise ShardError(f"manifest {path} lacks columns {missing}: not a feature manifest")
+    return df
+
+
+def rows_from_shards(directory: str | Path) -> list[dict]:
+    """Manifest rows rebuilt from the shard files of a directory whose manifest is lost. Shards are
+    written atomically (tmp + rename), so a file with a readable header and consistent offsets is a
+    finished shard; unreadable ones are left out (and recomputed by extract)."""
+    rows = []
+    for path in sorted(Path(directory).glob(f"{SHARD_PREFIX}*{SHARD_SUFFIX}")):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                ids = json.loads((f.metadata() or {}).get(IDS_KEY, "[]"))
+                offsets = f.get_tensor("offsets")  # [S+1]
+        except Exception:  # a damaged file is simply not listed
+            continue
+        if len(offsets) != len(ids) + 1:
+            continue
+        rows.append({"shard": path.name, "samples": len(ids), "tokens": int(offsets[-1]),
+                     "sha256": sha256_file(path), "bytes": path.stat().st_size, "ids": ids})
+    return rows
 
 
 def read_header(path: str | Path) -> dict:
@@ -211,6 +241,16 @@ def verify_shards(directory: str | Path, expect: dict | None = None) -> dict:
             "samples": int(manifest["samples"].sum()), "tokens": int(manifest["tokens"].sum())}
 
 
+def check_distinct(dirs: Sequence[str | Path]) -> list:
+    """dirs, refused when one directory is listed twice: its samples would silently count double."""
+    seen: dict[str, str | Path] = {}
+    for d in dirs:
+        if (real := os.path.realpath(d)) in seen:
+            raise ValueError(f"feature dir {d} is listed twice (as {seen[real]} and {d})")
+        seen[real] = d
+    return list(dirs)
+
+
 class ShardDataset(torch.utils.data.Dataset):
     """Samples of one or more feature dirs, read lazily through mmap.
 
@@ -223,7 +263,7 @@ class ShardDataset(torch.utils.data.Dataset):
                  verify: str = "eager"):
         if verify not in ("eager", "lazy"):
             raise ValueError(f"verify must be 'eager' or 'lazy', not {verify!r}")
-        dirs = [dirs] if isinstance(dirs, (str, Path)) else list(dirs)
+        dirs = check_distinct([dirs] if isinstance(dirs, (str, Path)) else list(dirs))
         self.verify = verify
         self._shards: list[tuple[Path, dict]] = []  # (path, manifest row)
         self._starts: list[int] = [0]  # global index of each shard's first sample
