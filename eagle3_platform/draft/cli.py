@@ -5,7 +5,16 @@ from dataclasses import replace
 
 
 def _dirs(s: str | None) -> list[str]:
-    return [d for d in (s or "").split(",") if d]
+    from eagle3_platform.features.shards import check_distinct
+
+    return check_distinct([d for d in (s or "").split(",") if d])
+
+
+def _positive(args, *names: str) -> None:
+    for name in names:
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, not {v}")
 
 
 def _train(args) -> dict:
@@ -13,6 +22,7 @@ def _train(args) -> dict:
 
     if args.preset not in PRESETS:
         raise ValueError(f"unknown preset {args.preset!r}: {sorted(PRESETS)}")
+    _positive(args, "max_steps", "epochs", "threads")
     cfg = PRESETS[args.preset]
     overrides = {k: v for k, v in {"max_steps": args.max_steps, "epochs": args.epochs, "seed": args.seed,
                                    "num_threads": args.threads}.items() if v is not None}
@@ -32,6 +42,7 @@ def _vocab(args) -> dict:
     from eagle3_platform.draft.model import target_hf_config
     from eagle3_platform.draft.vocab import save_vocab, vocab_from_features
 
+    _positive(args, "draft_vocab_size")
     V = target_hf_config(args.target)["vocab_size"]
     d2t, t2d, stats = vocab_from_features(_dirs(args.features), V, args.draft_vocab_size)
     return save_vocab(args.out, d2t, t2d, stats)

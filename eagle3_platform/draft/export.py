@@ -110,6 +110,20 @@ def config_from_export(c: dict) -> DraftConfig:
                                    c["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
 
 
+def _refuse_unusable(draft_dir: Path, sd: dict[str, torch.Tensor]) -> None:
+    """An untrained (0-step) or diverged (NaN/inf) head exports "fine" and serves garbage."""
+    from eagle3_platform.draft.train import METRICS
+
+    metrics = draft_dir / METRICS  # written by train; absent for heads built elsewhere (tests, tools)
+    if metrics.exists() and json.loads(metrics.read_text()).get("steps") == 0:
+        raise ValueError(f"refusing to export {draft_dir}: its head was trained for 0 steps "
+                         f"({metrics}); train it on non-empty features first")
+    bad = sorted(n for n, t in sd.items() if t.is_floating_point() and not bool(torch.isfinite(t).all()))
+    if bad:
+        raise ValueError(f"refusing to export {draft_dir}: non-finite weights in {', '.join(bad)} "
+                         "(training diverged?)")
+
+
 def export_draft(draft_dir, out_dir, dtype: str = "bfloat16") -> dict:
     """draft_dir (train output) → out_dir with config.json + model.safetensors (SGLang Eagle3 format)."""
     from eagle3_platform.draft.train import DRAFT_CONFIG, DRAFT_WEIGHTS
@@ -123,6 +137,7 @@ def export_draft(draft_dir, out_dir, dtype: str = "bfloat16") -> dict:
     meta = json.loads((draft_dir / DRAFT_CONFIG).read_text())
     cfg = DraftConfig.from_dict(meta["draft"])
     sd = load_file(str(draft_dir / DRAFT_WEIGHTS))
+    _refuse_unusable(draft_dir, sd)
     tensors = {n: (t if t.dtype in (torch.int64, torch.bool) else t.to(EXPORT_DTYPES[dtype])).contiguous()
                for n, t in sd.items()}
     config = sglang_config(cfg, dtype, {"target": meta.get("target"), "source": str(draft_dir)})

@@ -186,12 +186,18 @@ def _maybe_resume(out_dir: Path, resume: bool, draft, opt, fingerprint: dict) ->
         if resume:
             _log(f"no checkpoint in {out_dir}; starting from scratch")
         return 0, []
-    state = load_checkpoint(ckpt, draft, opt)
-    if state["fingerprint"] != fingerprint:
+    try:
+        state = load_checkpoint(ckpt, draft, opt)
+        step, history, written_for = state["step"], state["history"], state["fingerprint"]
+    except Exception as e:  # truncated safetensors, bad JSON, wrong shapes: all mean "unusable"
+        why = (str(e).splitlines() or [""])[0][:200]
+        raise ValueError(f"checkpoint {ckpt} is unreadable ({type(e).__name__}: {why}); rerun without "
+                         f"--resume to start fresh, or delete {ckpt}") from None
+    if written_for != fingerprint:
         raise ValueError(f"checkpoint {ckpt} was written for a different run (data/config); "
                          "use a new --out or drop --resume")
-    _log(f"resumed from {ckpt} at step {state['step']}/{fingerprint['total_steps']}")
-    return state["step"], state["history"]
+    _log(f"resumed from {ckpt} at step {step}/{fingerprint['total_steps']}")
+    return step, history
 
 
 # ---- evaluation ----------------------------------------------------------------------------------
@@ -273,6 +279,9 @@ def train(target_dir, feature_dirs, out_dir, cfg: TrainConfig, resume: bool = Fa
     ds, draft, lm_head, vstats, expect = prepare(target_dir, feature_dirs, out_dir, cfg, vocab_path, rank)
     plan = batch_plan(ds.sample_lengths(), cfg)
     total = len(plan)
+    if not total:  # 0 steps would write an untrained head and report success
+        raise ValueError(f"nothing to train: {len(ds)} samples in {', '.join(feature_dirs)} give 0 "
+                         f"optimizer steps (epochs={cfg.epochs}, max_steps={cfg.max_steps})")
     params = [p for _, p in named_trainable(draft)]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     # what determines the weights (thread count does not: it may change, and resume still works)

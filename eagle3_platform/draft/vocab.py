@@ -113,4 +113,7 @@ def load_vocab(path: str | Path):
 
 def vocab_from_features(feature_dirs, vocab_size: int, draft_vocab_size: int, expect=None):
     counts = count_response_tokens(feature_dirs, vocab_size, expect)
+    if not int(counts.sum()):  # a vocab of padding ids only would look valid and mean nothing
+        raise ValueError(f"no response tokens in feature dir(s) {', '.join(map(str, feature_dirs))}: "
+                         "cannot build a draft vocab (did extract produce any samples?)")
     return build_vocab(counts, vocab_size, min(draft_vocab_size, vocab_size))
