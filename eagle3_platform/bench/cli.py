@@ -35,6 +35,9 @@ def add_commands(sub) -> None:
 def bench(a) -> dict:
     from eagle3_platform.bench.run import run_benchmark
 
+    for flag, v in (("--max-tokens", a.max_tokens), ("--duration", a.duration)):
+        if v < 1:
+            raise ValueError(f"{flag} must be >= 1, not {v}")
     if not os.path.exists(a.prompts):
         raise FileNotFoundError(f"prompts file not found: {a.prompts}")
     res = run_benchmark(a.url, a.prompts, concurrency=_ints(a.concurrency), duration_s=a.duration,

@@ -29,6 +29,10 @@ def run_eval(args) -> dict:
 
     from eagle3_platform.spec.eval import evaluate
 
+    for flag, v in (("--max-new-tokens", args.max_new_tokens), ("--limit", args.limit),
+                    ("--threads", args.threads)):
+        if v is not None and v < 1:
+            raise ValueError(f"{flag} must be >= 1, not {v}")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.draft and not Path(args.draft).is_dir():
