@@ -76,7 +76,9 @@ def test_teacher_is_target_distribution_renormalised_over_draft_vocab():
     assert ok.tolist() == torch.isin((s @ W.T).argmax(-1), d2t_ids).tolist()
     need = torch.tensor([[True, False, True, True, False]])
     logp2, ok2 = teacher(s, W, d2t_ids, need)
-    assert torch.equal(logp2[need], logp[need]) and torch.equal(ok2[need], ok[need]) and not ok2[~need].any()
+    # a [3,8] @ [8,30] matmul need not round bitwise like the [5,8] one (it differs on some CPUs)
+    torch.testing.assert_close(logp2[need], logp[need], atol=1e-6, rtol=1e-5)
+    assert torch.equal(ok2[need], ok[need]) and not ok2[~need].any()
 
 
 @pytest.mark.parametrize("K", [1, 2, 3, 4])
