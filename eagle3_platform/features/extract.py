@@ -41,7 +41,7 @@ class FeatureConfig:
     max_length: int  # longer conversations are truncated to this many tokens (and counted)
     batch_tokens: int  # padded tokens (B * longest) per target forward; <= longest => one at a time
     dtype: str = "bfloat16"  # stored feature dtype
-    target_dtype: str = "float32"  # dtype the target runs in
+    target_dtype: str = "auto"  # dtype the target runs in (compute.resolve_dtype)
     device: str = "auto"  # "auto" = cuda when available, else cpu
 
     def __post_init__(self):
@@ -56,8 +56,8 @@ PRESETS: dict[str, FeatureConfig] = {
                           target_dtype="float32"),  # tests compare against fp32 forwards
     # CPU: one conversation per forward measured faster than padded batches (bench_extract.py)
     "demo": FeatureConfig(samples_per_shard=64, max_length=2048, batch_tokens=0),
-    "full": FeatureConfig(samples_per_shard=512, max_length=4096, batch_tokens=32768,
-                          target_dtype="bfloat16"),
+    "cpu": FeatureConfig(samples_per_shard=128, max_length=2048, batch_tokens=0),
+    "full": FeatureConfig(samples_per_shard=512, max_length=4096, batch_tokens=32768),
 }
 
 
