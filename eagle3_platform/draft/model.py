@@ -228,6 +228,12 @@ class Eagle3Draft(nn.Module):
     def to_target_ids(self, draft_ids):    # draft vocab ids -> target ids
         return draft_ids + self.d2t[draft_ids]
 
+    def cast_parameters(self, dtype) -> "Eagle3Draft":
+        """Weights to `dtype` in place; buffers keep theirs (`.to(dtype)` would round RoPE's inv_freq)."""
+        for p in self.parameters():
+            p.data = p.data.to(dtype)
+        return self
+
     # ---- weights -----------------------------------------------------------------------------
     def head_state_dict(self) -> dict[str, torch.Tensor]:
         """Everything that is trained or exported: all but embed_tokens (and RoPE caches)."""

@@ -21,7 +21,7 @@ def add_commands(sub) -> None:
     p.add_argument("--max-queue", type=int, default=None, help="queued+running requests bound")
     p.add_argument("--model-name", default=None, help="id shown by /v1/models")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: the preset's)")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default=None, help="auto | bfloat16 | float32 (default: the preset's)")
     p.add_argument("--ready-file", default=None, help="write {url, port, pid} here once bound")
     p.set_defaults(func=serve)
 
@@ -38,12 +38,12 @@ def serve(a) -> dict:
     check_api_key(api_key)  # before the model loads: a key no client can send is a startup error
     cfg = PRESETS[a.preset].with_(host=a.host, port=a.port, max_tokens=a.max_tokens,
                                   max_queue=a.max_queue, model_name=a.model_name,
-                                  torch_threads=a.threads)
+                                  torch_threads=a.threads, dtype=a.dtype)
     if cfg.torch_threads:
         import torch
         torch.set_num_threads(cfg.torch_threads)
     sock = bind_socket(cfg.host, cfg.port)  # before the model loads: a busy port fails at once
-    engine, target, info = build_engine(a.target, a.draft, a.spec, a.dtype)
+    engine, target, info = build_engine(a.target, a.draft, a.spec, cfg.dtype)
     context = int(getattr(target.model.config, "max_position_embeddings", 2048))
     name = info["target_id"] + ("-eagle3" if info["draft"] else "")
     app = build_app(engine, target.tokenizer, cfg, model_name=name, context_length=context,

@@ -20,13 +20,15 @@ class ServeConfig:
     # torch intra-op threads. On a small CPU box the server shares cores with Locust and a second
     # (baseline) server: 2 spinning OpenMP threads under contention ran 5-10x slower than 1 thread.
     torch_threads: int | None = None  # None = torch's default
+    dtype: str = "auto"               # compute dtype of target + head (compute.resolve_dtype)
 
     def with_(self, **kw) -> "ServeConfig":
         return replace(self, **{k: v for k, v in kw.items() if v is not None})
 
 
 PRESETS: dict[str, ServeConfig] = {
-    "tiny": ServeConfig(max_tokens=64, default_max_tokens=16, max_queue=32, torch_threads=1),
+    "tiny": ServeConfig(max_tokens=64, default_max_tokens=16, max_queue=32, torch_threads=1,
+                        dtype="float32"),  # tests assert exact greedy losslessness (fp32)
     "demo": ServeConfig(max_tokens=256, default_max_tokens=64, max_queue=64, torch_threads=1),
     "cpu": ServeConfig(max_tokens=256, default_max_tokens=64, max_queue=64, torch_threads=1),
     "full": ServeConfig(max_tokens=4096, default_max_tokens=256, max_queue=256,

@@ -42,12 +42,14 @@ class _Seq:
 class SpecEngine:
     def __init__(self, target, draft=None, cfg: SpecConfig = PRESETS["chain"]):
         self.target, self.model, self.cfg = target, target.model, cfg
+        self.dtype = next(self.model.parameters()).dtype
         self.draft = draft if cfg.speculative else None
+        if isinstance(self.draft, torch.nn.Module):  # the head computes in the target's dtype (bf16 on CPU)
+            self.draft = self.draft.cast_parameters(self.dtype)
         # the head reads the layers it was trained on (its config), else the target's capture layers
         head_layers = getattr(getattr(draft, "cfg", None), "aux_layer_ids", None)
         self.layer_ids = list(head_layers or target.meta["capture_layer_ids"])
         self.eos_ids = eos_token_ids(self.model, target.tokenizer)
-        self.dtype = next(self.model.parameters()).dtype
         self.last_stats: dict = {}
 
     # ---- public API -------------------------------------------------------------------------------
