@@ -3,16 +3,21 @@
 Every stage reads and writes these records. JSONL files are either written atomically (tmp + rename)
 or appended one fsynced line at a time, so a killed run leaves at most one torn last line, which
 `read_jsonl(..., tolerate_torn_tail=True)` drops and resume redoes.
+
+Lines from users' files go through parse_line + prompt_from_row: one bad line becomes one rejection
+with a reason (`bad:encoding`, `bad:json`, `bad:schema:<field>`), never an exception that stops a run.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import re
+from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 WORKLOADS = ("chat", "multi_turn", "code", "math", "long_context")
 Role = Literal["system", "user", "assistant"]
@@ -28,7 +33,7 @@ class PromptRecord(BaseModel):
     """One conversation's prompts: only system/user turns are ever taken from a source."""
 
     model_config = ConfigDict(extra="forbid")
-    id: str
+    id: str = Field(min_length=1)  # names the record in every later stage (resume, accounting)
     workload: str
     source: str
     license: str
@@ -37,7 +42,8 @@ class PromptRecord(BaseModel):
 
 
 class Rejection(BaseModel):
-    """A record that was read and not kept. Never carries the raw text (it may hold PII)."""
+    """A record that was read and not kept. Never carries the raw text (it may hold PII).
+    `line`: 1-based line of the input file, where the stage knows it (so a bad line can be found)."""
 
     model_config = ConfigDict(extra="forbid")
     id: str
@@ -45,6 +51,13 @@ class Rejection(BaseModel):
     source: str
     stage: str
     reason: str
+    line: int | None = None
+
+
+def top_reasons(by_reason: dict[str, int], top: int = 3) -> str:
+    """'bad:schema:messages[0].role: 3, dup: 1': the commonest rejection reasons, for an error message."""
+    common = sorted(by_reason.items(), key=lambda kv: -kv[1])[:top]
+    return ", ".join(f"{r}: {n}" for r, n in common) + (", ..." if len(by_reason) > top else "")
 
 
 class ConversationRecord(PromptRecord):
@@ -60,6 +73,120 @@ class ConversationRecord(PromptRecord):
 def stable_id(*parts: str) -> str:
     """Stable record id: hash of source and index (never of content, which filtering may change)."""
     return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:16]
+
+
+class BadRecord(Exception):
+    """This record is rejected, and `reason` says why (bad:json, bad:schema:messages[1].role, pii:EMAIL...)."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def parse_line(raw: str | bytes | dict) -> dict:
+    """One JSONL line -> dict, or BadRecord('bad:encoding' | 'bad:json'). Lone surrogates (`"\\ud800"`)
+    are valid JSON but not encodable text: every later stage (tokenizer, scanner, writer) would fail."""
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise BadRecord("bad:encoding") from None
+    try:
+        row = json.loads(raw) if isinstance(raw, str) else raw
+        if isinstance(row, dict):
+            json.dumps(row, ensure_ascii=False).encode("utf-8")
+            return row
+    except UnicodeEncodeError:
+        raise BadRecord("bad:encoding") from None
+    except (ValueError, RecursionError, TypeError):  # broken JSON, ints over the digit limit, deep nesting
+        pass
+    raise BadRecord("bad:json")  # also JSON that is not an object: [1], "x", 42
+
+
+def unknown_keys(row: dict) -> list[str]:
+    """Keys of a prompt row the schema does not know ('label', 'messages[].name'), for counting."""
+    keys = [k for k in row if k not in PromptRecord.model_fields]
+    msgs = row.get("messages")
+    if isinstance(msgs, list):
+        keys += sorted({f"messages[].{k}" for m in msgs if isinstance(m, dict) for k in m
+                        if k not in Message.model_fields})
+    return keys
+
+
+IGNORED_KEY_NAMES = 50  # distinct unknown key names a summary shows; the rest are lumped as <other>
+
+
+def ignored_summary(counts: Counter) -> dict[str, int]:
+    """{key name: records} of ignored keys for a summary. Keys are user data too: only identifier-like
+    names are shown (`label`, `messages[].name`), odd ones and the long tail count as `<other>`."""
+    named = Counter({k: n for k, n in counts.items() if re.fullmatch(r"(messages\[\]\.)?[A-Za-z_][\w-]{0,40}", k)})
+    out = dict(named.most_common(IGNORED_KEY_NAMES))
+    other = sum(counts.values()) - sum(out.values())
+    return dict(sorted({**out, **({"<other>": other} if other else {})}.items()))
+
+
+def prompt_from_row(row: dict) -> PromptRecord:
+    """A user-supplied row as a PromptRecord, or BadRecord('bad:schema:<field>') naming the first bad field.
+    Unknown keys (labels, metadata) are dropped: never carried into outputs, where they would escape the
+    PII scan. Stages count them with unknown_keys()."""
+    clean = {k: v for k, v in row.items() if k in PromptRecord.model_fields}
+    if isinstance(clean.get("messages"), list):
+        clean["messages"] = [{k: v for k, v in m.items() if k in Message.model_fields} if isinstance(m, dict)
+                             else m for m in clean["messages"]]
+    try:
+        return PromptRecord.model_validate(clean)
+    except ValidationError as e:
+        raise BadRecord("bad:schema:" + field_path(e.errors()[0]["loc"])) from None
+
+
+def field_path(loc: tuple) -> str:
+    """('messages', 1, 'role') -> 'messages[1].role'. Only schema field names and indices: no user text."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "record"
+
+
+def usable_id(row: dict | None) -> str | None:
+    """The row's own id if it can name the record (a non-empty string), else None."""
+    value = row.get("id") if isinstance(row, dict) else None
+    return value if isinstance(value, str) and value else None
+
+
+UNKNOWN = "unknown"
+META_MAX_CHARS = 200  # workload/source copied into a rejection are user text: bounded
+
+
+def meta_field(row: dict | None, key: str) -> str:
+    value = row.get(key) if isinstance(row, dict) else None
+    return value if isinstance(value, str) and 0 < len(value) <= META_MAX_CHARS else UNKNOWN
+
+
+def line_rejection(stage: str, origin: str, line: int, row: dict | None, reason: str,
+                   own_id: bool = True) -> Rejection:
+    """Rejection of line `line` of input file `origin`. Its id is the row's own id or, when the row has
+    none or its id belongs to an earlier record (dup:id: own_id=False), stable_id(origin, line): ids
+    in kept + rejected stay unique, which resume and id-based accounting rely on."""
+    rid = usable_id(row) if own_id else None
+    return Rejection(id=rid or stable_id(origin, str(line)), workload=meta_field(row, "workload"),
+                     source=meta_field(row, "source") if row is not None else origin, stage=stage,
+                     reason=reason, line=line)
+
+
+def read_lines(path: str | Path) -> list[bytes]:
+    """A JSON Lines file's lines. A file that is one JSON array (or one pretty-printed object) is refused
+    with a clear error rather than rejected line by line as bad:json."""
+    data = Path(path).read_bytes()
+    head, multi_line = data.lstrip()[:1], b"\n" in data.strip()
+    if head == b"[" or (head == b"{" and multi_line):  # cheap: a real JSONL fails at its first line end
+        try:
+            whole = json.loads(data)
+        except (ValueError, RecursionError):
+            whole = None
+        if isinstance(whole, (list, dict)):
+            kind = "a JSON array" if isinstance(whole, list) else "one multi-line JSON object"
+            raise ValueError(f"{path} is {kind}; expected JSON Lines (one JSON object per line)")
+    return data.split(b"\n")
 
 
 def read_jsonl(path: str | Path, tolerate_torn_tail: bool = False) -> Iterator[dict]:

@@ -59,8 +59,8 @@ def test_validation_reasons(scanner):
     assert [k.id for k in kept] == ["r1"]
     got = reasons(rejected)
     assert got["r3"] == "bad:non_text"
-    assert got["r4"] == "bad:schema" and got["r5"] == "bad:schema"
-    assert got[stable_id("<memory>", "11")] == "bad:schema"  # no id: stable (file, line) id
+    assert got["r4"] == "bad:schema:messages[0].role" and got["r5"] == "bad:schema:source"
+    assert got[stable_id("<memory>", "11")] == "bad:schema:id"  # no id: stable (file, line) id
     assert got["r6"] == "bad:empty" and got["r9"] == "bad:empty"
     assert got["r7"] == "bad:role_order" and got["r8"] == "bad:role_order"
     bad_json = [r for r in rejected if r.reason == "bad:json"]
@@ -154,7 +154,8 @@ def test_filter_file_accounting_and_no_raw_pii(tmp_path, scanner):
     raw = rej_p.read_text()
     for value in (EMAIL, NAME, SECRET, "4539", "TCP"):
         assert value not in raw
-    assert set(rejected[0]) == {"id", "workload", "source", "stage", "reason"}
+    assert set(rejected[0]) == {"id", "workload", "source", "stage", "reason", "line"}
+    assert rejected[0]["line"] == 5  # the broken line can be found
     json.dumps(summary)  # JSON-serialisable for CLI / asset metadata
     assert EMAIL not in json.dumps(summary) and summary["ner_enabled"] is True
 

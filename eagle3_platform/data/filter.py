@@ -2,12 +2,16 @@
 
 Every line read ends up in exactly one of two files: kept prompt records, or rejection records with a
 reason. `kept + rejected == read` is asserted here and returned in the summary. Rejections carry id,
-workload, source, stage and reason only: never text, never the detected value.
+workload, source, stage, reason and input line only: never text, never the detected value.
 
-Checks, in order (the first that fails is the reason):
+Checks, in order (the first that fails is the reason; every rejection carries its input `line`):
+  bad:encoding        not UTF-8, or a lone surrogate escape ("\\ud800"): no later step could encode it
   bad:json            line is not a JSON object (id = stable_id(file name, line number))
+  dup:id              an earlier line already used this id (ids are unique from here on; the later line
+                      is rejected under its line id, so rejection ids stay unique too)
   bad:non_text        a message's content is not a string (images, tool-call dicts, null)
-  bad:schema          anything else that is not a PromptRecord (missing field, unknown role, extra keys)
+  bad:schema:FIELD    anything else that is not a PromptRecord (missing field, unknown role), naming the
+                      first bad field (`bad:schema:messages[1].role`)
   bad:empty           no system/user messages, or one whose content is blank
   bad:role_order      not [system?] user+ once assistant turns are stripped (system only first, >=1 user)
   bad:too_long        rendered prompt (target chat template + generation prompt) > max_tokens
@@ -26,6 +30,9 @@ personal data; under "drop" every long_context record would be lost to `pii:PERS
 in `FilterConfig.public_text_sources`, findings of `public_entities` (PERSON, LOCATION, NRP) are allowed
 and counted (`public_entities_allowed`); contact data, identifiers and secrets are still enforced there.
 
+Unknown keys (labels, metadata that users' files carry) are ignored, never copied into the output
+(where they would escape the PII scan), and counted per key in `ignored_keys`.
+
 Policy "redact": PII spans become `<ENTITY_TYPE>` and the record is kept; `redactions` counts spans per
 entity type. Dedupe runs on the original text, before redaction.
 """
@@ -38,16 +45,15 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
-
-from pydantic import ValidationError
+from typing import Iterable
 
 from eagle3_platform.data.pii import Finding, PiiScanner, get_scanner, severity
-from eagle3_platform.records import Message, PromptRecord, Rejection, stable_id, write_jsonl_atomic
+from eagle3_platform.records import (BadRecord, Message, PromptRecord, Rejection, ignored_summary, line_rejection,
+                                     parse_line, prompt_from_row, read_lines, top_reasons, unknown_keys,
+                                     usable_id, write_jsonl_atomic)
 
 POLICIES = ("drop", "redact")
 STAGE = "filter"
-UNKNOWN = "unknown"
 
 
 # Sources whose text is public or synthetic, matched by prefix of PromptRecord.source.
@@ -86,50 +92,23 @@ def allowed_entities(source: str, cfg: FilterConfig | None = None) -> tuple[str,
     return cfg.public_entities if cfg.is_public(source) else ()
 
 
-class _Reject(Exception):
-    def __init__(self, reason: str):
-        self.reason = reason
-
-
-def _meta(row: Any, key: str) -> str:
-    value = row.get(key) if isinstance(row, dict) else None
-    return value if isinstance(value, str) and value else UNKNOWN
-
-
-def parse(raw: str | bytes | dict, origin: str, line_no: int) -> tuple[dict | None, Rejection | None]:
-    """One input line -> dict, or a bad:json rejection whose id is stable in (file, line)."""
-    if isinstance(raw, dict):
-        return raw, None
-    try:
-        row = json.loads(raw)
-        if isinstance(row, dict):
-            return row, None
-    except (json.JSONDecodeError, UnicodeDecodeError, TypeError):
-        pass
-    return None, Rejection(id=stable_id(origin, str(line_no)), workload=UNKNOWN, source=origin,
-                           stage=STAGE, reason="bad:json")
-
-
 def validate(row: dict, max_tokens: int | None, tokenizer) -> tuple[PromptRecord, int]:
     """Schema + role checks. Returns (record with assistant turns stripped, number stripped)."""
     msgs = row.get("messages")
     if isinstance(msgs, list) and any(isinstance(m, dict) and "content" in m and not isinstance(m["content"], str)
                                       for m in msgs):
-        raise _Reject("bad:non_text")
-    try:
-        rec = PromptRecord.model_validate(row)
-    except ValidationError:
-        raise _Reject("bad:schema") from None
+        raise BadRecord("bad:non_text")
+    rec = prompt_from_row(row)  # unknown keys dropped; BadRecord("bad:schema:<field>")
     kept = [m for m in rec.messages if m.role != "assistant"]
     stripped = len(rec.messages) - len(kept)
     if not kept or any(not m.content.strip() for m in kept):
-        raise _Reject("bad:empty")
+        raise BadRecord("bad:empty")
     roles = [m.role for m in kept]
     if "user" not in roles or "system" in roles[1:]:
-        raise _Reject("bad:role_order")
+        raise BadRecord("bad:role_order")
     rec = rec.model_copy(update={"messages": kept, "n_chars": sum(len(m.content) for m in kept)})
     if max_tokens is not None and tokenizer is not None and _prompt_tokens(tokenizer, kept) > max_tokens:
-        raise _Reject("bad:too_long")
+        raise BadRecord("bad:too_long")
     return rec, stripped
 
 
@@ -164,11 +143,11 @@ def _apply_pii(rec: PromptRecord, per_msg: list[list[Finding]], policy: str, sca
     found = [f for fs in per_msg for f in fs]
     secrets = [f for f in found if f.is_secret]
     if secrets:
-        raise _Reject(f"dlp:{worst(secrets).entity_type}")
+        raise BadRecord(f"dlp:{worst(secrets).entity_type}")
     if not found:
         return rec
     if policy == "drop":
-        raise _Reject(f"pii:{worst(found).entity_type}")
+        raise BadRecord(f"pii:{worst(found).entity_type}")
     msgs = [Message(role=m.role, content=scanner.redact(m.content, fs) if fs else m.content)
             for m, fs in zip(rec.messages, per_msg)]
     redactions.update(f.entity_type for f in found)
@@ -186,57 +165,64 @@ class _Run:
         self.kept: list[PromptRecord] = []
         self.rejected: list[Rejection] = []
         self.seen: set[str] = set()
+        self.ids: set[str] = set()  # every id used so far, kept or rejected: an id names one record
         self.read = 0
         self.stripped = 0
         self.redactions: Counter = Counter()
         self.public_allowed: Counter = Counter()
-        self.pending: list[PromptRecord] = []  # valid, unique records waiting for the batched scan
+        self.ignored: Counter = Counter()
+        self.pending: list[tuple[PromptRecord, int]] = []  # valid, unique records (+ line) for the batched scan
         self.t0 = time.perf_counter()
 
-    def reject(self, row_or_rec, reason: str, line_no: int = 0) -> None:
-        get = row_or_rec.model_dump() if isinstance(row_or_rec, PromptRecord) else row_or_rec
-        rid = _meta(get, "id")
-        if rid == UNKNOWN:  # a record without a usable id still gets a stable, unique one
-            rid = stable_id(self.origin, str(line_no))
-        self.rejected.append(Rejection(id=rid, workload=_meta(get, "workload"), source=_meta(get, "source"),
-                                       stage=STAGE, reason=reason))
+    def reject(self, row: dict | PromptRecord | None, reason: str, line_no: int, own_id: bool = True) -> None:
+        if isinstance(row, PromptRecord):
+            row = {"id": row.id, "workload": row.workload, "source": row.source}
+        self.rejected.append(line_rejection(STAGE, self.origin, line_no, row, reason, own_id))
 
     def feed(self, raw, line_no: int) -> None:
         self.read += 1
-        row, bad = parse(raw, self.origin, line_no)
-        if bad is not None:
-            self.rejected.append(bad)
+        try:
+            row = parse_line(raw)
+        except BadRecord as r:
+            self.reject(None, r.reason, line_no)
             return
+        self.ignored.update(unknown_keys(row))
+        rid = usable_id(row)
+        if rid in self.ids:
+            self.reject(row, "dup:id", line_no, own_id=False)
+            return
+        if rid is not None:
+            self.ids.add(rid)
         try:
             rec, stripped = validate(row, self.max_tokens, self.tokenizer)
             self.stripped += stripped
             if _contaminated(rec, self.eval_keys):
-                raise _Reject("eval_contamination")
+                raise BadRecord("eval_contamination")
             key = content_key(rec.messages)
             if key in self.seen:
-                raise _Reject("dup")
+                raise BadRecord("dup")
             self.seen.add(key)
-        except _Reject as r:
+        except BadRecord as r:
             self.reject(row, r.reason, line_no)
             return
-        self.pending.append(rec)
+        self.pending.append((rec, line_no))
         if len(self.pending) >= self.cfg.scan_batch:
             self.flush()
         if self.read % self.cfg.progress_every == 0:
             self.progress()
 
     def flush(self) -> None:
-        texts = [m.content for rec in self.pending for m in rec.messages]
+        texts = [m.content for rec, _ in self.pending for m in rec.messages]
         found = iter(self.scanner.scan_many(texts))
-        for rec in self.pending:
+        for rec, line_no in self.pending:
             per_msg = [next(found) for _ in rec.messages]
             allowed = allowed_entities(rec.source, self.cfg)
             if allowed:
                 per_msg = [self._allow(fs, allowed) for fs in per_msg]
             try:
                 self.kept.append(_apply_pii(rec, per_msg, self.policy, self.scanner, self.redactions))
-            except _Reject as r:
-                self.reject(rec, r.reason)
+            except BadRecord as r:
+                self.reject(rec, r.reason, line_no)
         self.pending = []
 
     def _allow(self, findings: list[Finding], allowed: tuple[str, ...]) -> list[Finding]:
@@ -255,6 +241,7 @@ class _Run:
         dt = time.perf_counter() - self.t0
         return {"read": self.read, "kept": n_kept, "rejected": n_rej,
                 "by_reason": dict(sorted(Counter(r.reason for r in self.rejected).items())),
+                "ignored_keys": ignored_summary(self.ignored),
                 "assistant_turns_stripped": self.stripped, "redactions": dict(sorted(self.redactions.items())),
                 "public_entities_allowed": dict(sorted(self.public_allowed.items())),
                 "policy": self.policy, "max_tokens": self.max_tokens, "eval_keys": len(self.eval_keys or ()),
@@ -279,14 +266,20 @@ def filter_records(rows: Iterable[str | bytes | dict], policy: str = "drop", max
 def filter_file(in_path: str | Path, kept_path: str | Path, rejected_path: str | Path, policy: str = "drop",
                 max_tokens: int | None = None, tokenizer=None, eval_keys: set[str] | None = None,
                 scanner: PiiScanner | None = None, cfg: FilterConfig = PRESETS["demo"]) -> dict:
-    """JSONL prompt records -> kept JSONL + rejections JSONL (both written atomically). Returns summary."""
+    """JSONL prompt records -> kept JSONL + rejections JSONL (both written atomically). Returns summary.
+    Nothing kept is a failed stage (ValueError after both files are written, so the reasons can be read)."""
+    from eagle3_platform.cli_args import distinct_paths
+
     in_path = Path(in_path)
     if not in_path.is_file():
         raise FileNotFoundError(f"filter input not found: {in_path}")
-    with open(in_path, "rb") as f:
-        lines = f.read().split(b"\n")
-    kept, rejected, summary = filter_records(lines, policy, max_tokens, tokenizer, eval_keys, scanner, cfg,
-                                             origin=in_path.name)
+    distinct_paths({"--in": in_path, "--out": kept_path, "--rejected": rejected_path})
+    kept, rejected, summary = filter_records(read_lines(in_path), policy, max_tokens, tokenizer, eval_keys,
+                                             scanner, cfg, origin=in_path.name)
     write_jsonl_atomic(kept_path, kept)
     write_jsonl_atomic(rejected_path, rejected)
+    if not kept:
+        raise ValueError(f"0 of {summary['read']} records kept from {in_path}"
+                         + (f" ({top_reasons(summary['by_reason'])}; see {rejected_path})" if summary["read"] else
+                            " (the file has no records)"))
     return {**summary, "in": str(in_path), "out": str(kept_path), "rejected_path": str(rejected_path)}

@@ -178,6 +178,9 @@ def write_workload(workload: str, out_path: str | Path, split: str = "train", li
 
     n = write_jsonl_atomic(out_path, counted())
     print(f"[sources] {workload}/{split}: {n} records -> {out_path}", file=sys.stderr)
+    if n == 0:  # nothing for the filter to work on: a failed stage, not an empty success
+        raise ValueError(f"0 {workload}/{split} records written to {out_path} (limit {limit!r}); check --limit "
+                         "and the source packages")
     return {"workload": workload, "split": split, "records": n, "sources": dict(by_source),
             "source_fingerprint": source_fingerprint(workload, extra_dir), "out": str(out_path)}
 

@@ -3,18 +3,19 @@
 Each line is {"messages": [{"role", "content"}, ...]} or {"prompt": "..."}; optional "split":
 "train"|"eval" pins the record to a split (otherwise the group hash decides, like every source).
 Only system (first turn) and user turns are kept. A line whose structure cannot be read (broken JSON,
-neither field, non-text content, unknown role) still becomes a record, with no messages, so the filter
-rejects it (`bad:empty`) and kept + rejected == read holds; the reason goes to stderr without content.
+bad encoding, neither field, non-text content, unknown role) still becomes a record, with no messages,
+so the filter rejects it (`bad:empty`) and kept + rejected == read holds; the reason goes to stderr
+without content.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
 from typing import Iterator
 
 from eagle3_platform.data.sources_pkg import Item
+from eagle3_platform.records import BadRecord, parse_line
 
 EXTRA_ENV = "EAGLE3_EXTRA_SOURCES"
 EXTRA_LICENSE = "user-supplied"
@@ -68,10 +69,10 @@ def iter_extra_file(workload: str, path: Path) -> Iterator[Item]:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                row = None
-            parsed = parse_messages(row) if row is not None else "broken_json"
+                row = parse_line(line)
+            except BadRecord as e:  # broken JSON, huge ints, deep nesting, lone surrogates
+                row = e.reason
+            parsed = parse_messages(row) if isinstance(row, dict) else row.replace("bad:", "broken_")
             split = row.get("split") if isinstance(row, dict) else None
             if isinstance(parsed, str):
                 print(f"[sources] {source}:{n}: unreadable record ({parsed}); kept empty for the "
