@@ -143,7 +143,7 @@ def test_bad_rows_are_rejected_and_accounted(tiny_target_dir, tmp_path):
     s = regenerate_file(tiny_target_dir, inp, tmp_path / "out.jsonl", TINY, scanner=NoScan(),
                         rejected_path=tmp_path / "rej.jsonl")
     assert (s["read"], s["written"], s["rejected"]) == (3, 1, 2)
-    assert s["by_reason"] == {"bad:role_order": 1, "bad:schema": 1}
+    assert s["by_reason"] == {"bad:role_order": 1, "bad:schema:source": 1}  # the first bad field is named
     for r in read_jsonl(tmp_path / "rej.jsonl"):
         Rejection.model_validate(r)
 

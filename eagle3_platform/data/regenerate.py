@@ -9,7 +9,10 @@ Either way `input_ids`/`loss_mask` come from `chat.render` with the target's own
 
 Accounting: every input record ends as exactly one ConversationRecord (out) or Rejection (rejected);
 `read == written + rejected`. Resume: both files are fsynced JSONL appends; a rerun skips ids already in
-either. Local batches are planned over ALL records (done or not) and a partially written batch is
+either, but only when the records there were made by this run's target (id, weights, template) with its
+generation settings, else it refuses (`--restart` discards the old output). Input lines that cannot be
+records (broken JSON, bad encoding, schema, a repeated id) are rejected while reading, under ids unique
+per line. Local batches are planned over ALL records (done or not) and a partially written batch is
 recomputed whole, so a resumed greedy run produces the very same tokens as an uninterrupted one
 (sampling draws from one RNG per record and turn, seeded from the record id).
 """
@@ -19,13 +22,14 @@ import hashlib
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from pydantic import ValidationError
-
 from eagle3_platform.data.chat import BoundaryError, end_of_turn, render, render_prompt, template_hash
-from eagle3_platform.records import ConversationRecord, JsonlAppender, PromptRecord, Rejection, read_jsonl
+from eagle3_platform.records import (BadRecord, ConversationRecord, JsonlAppender, PromptRecord, Rejection,
+                                     ignored_summary, line_rejection, parse_line, prompt_from_row, read_jsonl,
+                                     read_lines, top_reasons, unknown_keys, usable_id)
 
 STAGE = "target_responses"
 
@@ -199,35 +203,45 @@ class Progress:
 
 
 def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "demo", endpoint: str | None = None,
-                    rejected_path=None, scanner=None, api_key: str | None = None) -> dict:
+                    rejected_path=None, scanner=None, api_key: str | None = None, restart: bool = False) -> dict:
     """Regenerate every kept prompt record in `in_path` into ConversationRecords in `out_path`.
 
     scanner: None = the default PiiScanner, False = do not scan responses, or any object with
     `.scan(text)` returning findings with `.entity_type` (and `.is_secret` for secrets).
+    restart: discard what `out_path`/`rejected_path` hold instead of resuming from it.
     Returns the summary: read, written, rejected, by_reason, resumed, new_tokens, tok_per_s, ...
+    Nothing written (every record rejected, or an empty input) is a failed stage: ValueError.
     """
+    from eagle3_platform.cli_args import distinct_paths
     from eagle3_platform.target import read_meta
 
     cfg = resolve_config(cfg)
     out_path = Path(out_path)
-    rejected_path = Path(rejected_path or out_path.with_name(out_path.stem + ".rejected.jsonl"))
+    rejected_path = Path(rejected_path or default_rejected_path(out_path))
+    distinct_paths({"--in": in_path, "--out": out_path, "--rejected": rejected_path})
     meta = read_meta(target_dir)  # raises FileNotFoundError for an unprepared target
     tok = load_tokenizer(target_dir)
-    convos = read_prompts(in_path)
+    prompts = read_prompts(in_path)
     if scanner is None:
         from eagle3_platform.data.pii import get_scanner
         scanner = get_scanner()
-    gen = {"mode": "endpoint" if endpoint else "local", **_settings(cfg)}
+    gen = {"mode": "endpoint" if endpoint else "local", **_settings(cfg),
+           "weights_hash": meta.get("weights_hash", ""), "dtype": cfg.dtype}  # with the rest: the resume key
     if endpoint:
         gen["endpoint"] = _public_url(endpoint)
+    check_resume_key(out_path, rejected_path, resume_key(meta, tok, gen), restart)
     t0 = time.perf_counter()
     with JsonlAppender(out_path) as out, JsonlAppender(rejected_path) as rej:
         done = out.done_ids() | rej.done_ids()
-        foreign = done - {c.rec.id for c in convos}
+        foreign = done - prompts.ids()
         if foreign:
             raise ValueError(f"{out_path} / {rejected_path} hold {len(foreign)} records that are not in "
                              f"{in_path}; write to a fresh --out")
-        progress = Progress(len(convos), len(done), cfg.progress_every_s)
+        for r in prompts.rejected:  # rejected while reading: deterministic, so a resume skips them by id
+            if r.id not in done:
+                rej.append(r)
+        convos = prompts.convos
+        progress = Progress(prompts.read, len(done), cfg.progress_every_s)
 
         def emit(c: Convo) -> None:
             row = finalize(c, tok, scanner or None, meta, gen)
@@ -241,7 +255,47 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
             run_endpoint(endpoint, convos, turns, cfg, done, emit, meta, api_key)
         else:
             run_local(target_dir, convos, turns, cfg, done, emit)
-    return summarize(convos, out_path, rejected_path, len(done), progress, time.perf_counter() - t0, meta, tok)
+    summary = summarize(prompts, out_path, rejected_path, len(done), progress, time.perf_counter() - t0, meta,
+                        tok)
+    if not summary["written"]:
+        raise ValueError(f"0 of {summary['read']} records written to {out_path}"
+                         + (f" ({top_reasons(summary['by_reason'])}; see {rejected_path})" if summary["read"]
+                            else f" ({in_path} has no records)"))
+    return summary
+
+
+def default_rejected_path(out_path) -> Path:
+    out_path = Path(out_path)
+    return out_path.with_name(out_path.stem + ".rejected.jsonl")
+
+
+def resume_key(meta: dict, tok, gen: dict) -> dict:
+    """Everything that decides a record's content besides its prompt. Every record carries it (top-level
+    target_id/template_hash + `generation`), so a resumed run can check the output it continues."""
+    return {"target_id": meta["target_id"], "template_hash": template_hash(tok),
+            **{k: v for k, v in gen.items() if k != "endpoint"}}  # a restarted server may move
+
+
+def check_resume_key(out_path: Path, rejected_path: Path, key: dict, restart: bool) -> None:
+    """Resume only output written with the same target and settings; refuse any other with one line naming
+    what differs (it would mix two targets' answers under this run's summary). restart: start fresh."""
+    if restart:
+        out_path.unlink(missing_ok=True)
+        rejected_path.unlink(missing_ok=True)
+    first = next(read_jsonl(out_path, tolerate_torn_tail=True), None) if out_path.exists() else None
+    if first is not None:
+        old = {"target_id": first.get("target_id"), "template_hash": first.get("template_hash"),
+               **(first.get("generation") or {})}
+        diff = [f"{k} {old.get(k)!r} -> {v!r}" for k, v in key.items() if old.get(k) != v]
+        if diff:
+            raise ValueError(f"{out_path} was written with another target or settings ({'; '.join(diff)}); "
+                             "use a fresh --out, or --restart to discard it")
+    elif rejected_path.exists() and any(r.get("line") is None
+                                            for r in read_jsonl(rejected_path, tolerate_torn_tail=True)):
+        # rejections made while generating (too long, PII in an answer) depend on target and settings,
+        # and with no record written there is nothing to check them against
+        raise ValueError(f"{rejected_path} holds rejections from an earlier run whose target and settings "
+                         "cannot be checked; use a fresh --out, or --restart to discard them")
 
 
 def load_tokenizer(target_dir):
@@ -250,23 +304,47 @@ def load_tokenizer(target_dir):
     return AutoTokenizer.from_pretrained(target_dir)
 
 
-def read_prompts(in_path) -> list[Convo]:
-    """Kept prompt records -> conversations. Unusable rows become conversations rejected up front."""
-    convos, seen = [], set()
-    for n, row in enumerate(read_jsonl(in_path), 1):
-        try:
-            rec = PromptRecord.model_validate(row)
-        except ValidationError:
-            rec = PromptRecord(id=str(row.get("id") or f"line-{n}"), workload=str(row.get("workload", "")),
-                               source=str(row.get("source", "")), license="", messages=[])
-            convos.append(Convo(rec, [], reject="bad:schema"))
+@dataclass
+class Prompts:
+    """The input file read: conversations to regenerate, and lines rejected on the way (with reasons)."""
+
+    convos: list[Convo]
+    rejected: list[Rejection]
+    read: int = 0
+    ignored: Counter = field(default_factory=Counter)
+
+    def ids(self) -> set[str]:
+        return {c.rec.id for c in self.convos} | {r.id for r in self.rejected}
+
+
+def read_prompts(in_path) -> Prompts:
+    """Kept prompt records -> conversations. A line that cannot be one (broken JSON, bad encoding,
+    schema, no user turn, an id already used) is rejected with its reason and line; the run goes on.
+    Unknown keys are dropped and counted, as in the filter."""
+    origin, p, ids = Path(in_path).name, Prompts([], []), set()
+    for n, raw in enumerate(read_lines(in_path), 1):
+        if not raw.strip():
             continue
-        if rec.id in seen:  # the filter dedupes ids; a repeat means a broken upstream file
-            raise ValueError(f"{in_path}:{n}: duplicate record id {rec.id}")
-        seen.add(rec.id)
-        segs = segment(rec)
-        convos.append(Convo(rec, segs, reject=None if segs else "bad:role_order"))
-    return convos
+        p.read += 1
+        row = None
+        try:
+            row = parse_line(raw)
+            p.ignored.update(unknown_keys(row))
+            rid = usable_id(row)
+            if rid in ids:  # the filter makes ids unique; a repeat is rejected, never a crash
+                p.rejected.append(line_rejection(STAGE, origin, n, row, "dup:id", own_id=False))
+                continue
+            if rid is not None:
+                ids.add(rid)
+            rec = prompt_from_row(row)
+            segs = segment(rec)
+            if not segs:
+                raise BadRecord("bad:role_order")
+        except BadRecord as e:
+            p.rejected.append(line_rejection(STAGE, origin, n, row, e.reason))
+            continue
+        p.convos.append(Convo(rec, segs))
+    return p
 
 
 def run_local(target_dir, convos: list[Convo], turns: Turns, cfg: RegenConfig, done: set[str], emit) -> None:
@@ -348,20 +426,20 @@ def decode_turns(model, batch: list[Convo], turns: Turns, cfg: RegenConfig) -> N
             turns.answer(c, msgs, text, g.finish_reason, len(g.tokens))
 
 
-def summarize(convos, out_path: Path, rejected_path: Path, resumed: int, progress: Progress,
+def summarize(prompts: Prompts, out_path: Path, rejected_path: Path, resumed: int, progress: Progress,
               elapsed: float, meta: dict, tok) -> dict:
     written = [r["id"] for r in read_jsonl(out_path)]
     rejections = list(read_jsonl(rejected_path))
     ids = written + [r["id"] for r in rejections]
-    if len(ids) != len(set(ids)) or len(ids) != len(convos):
-        raise RuntimeError(f"accounting broken: read {len(convos)}, written {len(written)}, "
+    if len(ids) != len(set(ids)) or len(ids) != prompts.read:
+        raise RuntimeError(f"accounting broken: read {prompts.read}, written {len(written)}, "
                            f"rejected {len(rejections)}, distinct {len(set(ids))}")
     by_reason: dict[str, int] = {}
     for r in rejections:
         by_reason[r["reason"]] = by_reason.get(r["reason"], 0) + 1
-    return {"read": len(convos), "written": len(written), "rejected": len(rejections),
-            "by_reason": dict(sorted(by_reason.items())), "resumed": resumed,
-            "new_tokens": progress.tokens, "tok_per_s": round(progress.tok_per_s(), 2),
+    return {"read": prompts.read, "written": len(written), "rejected": len(rejections),
+            "by_reason": dict(sorted(by_reason.items())), "ignored_keys": ignored_summary(prompts.ignored),
+            "resumed": resumed, "new_tokens": progress.tokens, "tok_per_s": round(progress.tok_per_s(), 2),
             "elapsed_s": round(elapsed, 2), "out": str(out_path), "rejected_path": str(rejected_path),
             "target_id": meta["target_id"], "template_hash": template_hash(tok)}
 
