@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         summary = args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # bad input, failed stage, the file system's refusals: one line
         print(f"eagle3 {args.command}: error: {e}", file=sys.stderr)
         emit_summary({"ok": False, "error": str(e)})
         return 2

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from eagle3_platform.cli_args import output_dir
+
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -35,6 +37,8 @@ def pipeline_command(a) -> list[str]:
 
 
 def run(a) -> dict:
+    output_dir(a.data_dir, "--data-dir")
+    output_dir(a.dagster_home, "--dagster-home")
     if not (PROJECT_ROOT / "pipeline.py").exists():
         raise FileNotFoundError(f"pipeline.py not found beside the package at {PROJECT_ROOT}; "
                                 "`eagle3 run` needs the project checkout (definitions + assets)")

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 
+from eagle3_platform.cli_args import output_dir
+
 
 def _ints(s: str) -> list[int]:
     try:
@@ -35,6 +37,7 @@ def add_commands(sub) -> None:
 def bench(a) -> dict:
     from eagle3_platform.bench.run import run_benchmark
 
+    output_dir(a.out)
     for flag, v in (("--max-tokens", a.max_tokens), ("--duration", a.duration)):
         if v < 1:
             raise ValueError(f"{flag} must be >= 1, not {v}")

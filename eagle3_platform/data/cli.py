@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from eagle3_platform.cli_args import distinct_paths, output_file
+
 
 def add_commands(sub) -> None:
     p = sub.add_parser("sources", help="write one workload's prompt records (JSONL)")
@@ -50,12 +52,15 @@ def add_commands(sub) -> None:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None, help="sampling: per-record seeds derive from it")
     p.add_argument("--no-scan-responses", action="store_true", help="skip the PII/DLP scan of responses")
+    p.add_argument("--restart", action="store_true",
+                   help="discard what --out/--rejected hold (e.g. written for another target) and start fresh")
     p.set_defaults(func=cmd_regenerate)
 
 
 def cmd_sources(a) -> dict:
     from eagle3_platform.data.sources import write_workload
 
+    output_file(a.out)
     return write_workload(a.workload, a.out, split=a.split, limit=a.limit, seed=a.seed, cfg=a.preset)
 
 
@@ -63,6 +68,9 @@ def cmd_filter(a) -> dict:
     from eagle3_platform.data.filter import filter_file
 
     _need_file(a.in_path)
+    output_file(a.out)
+    output_file(a.rejected, "--rejected")
+    distinct_paths({"--in": a.in_path, "--out": a.out, "--rejected": a.rejected})
     tokenizer, max_tokens = None, a.max_tokens
     if a.target:
         from eagle3_platform.data.regenerate import PRESETS, load_tokenizer
@@ -83,10 +91,13 @@ def cmd_filter(a) -> dict:
 
 
 def cmd_regenerate(a) -> dict:
-    from eagle3_platform.data.regenerate import PRESETS, regenerate_file, resolve_config
+    from eagle3_platform.data.regenerate import PRESETS, default_rejected_path, regenerate_file, resolve_config
 
     _need_file(a.in_path)
     _need_target(a.target)
+    output_file(a.out)
+    output_file(a.rejected, "--rejected")
+    distinct_paths({"--in": a.in_path, "--out": a.out, "--rejected": a.rejected or default_rejected_path(a.out)})
     cfg = resolve_config(_preset(PRESETS, a.preset), max_new_tokens=a.max_new_tokens,
                          max_length=a.max_length, batch_size=a.batch_size, concurrency=a.concurrency,
                          seed=a.seed, temperature=a.temperature, top_p=a.top_p,
@@ -95,7 +106,8 @@ def cmd_regenerate(a) -> dict:
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     return regenerate_file(a.target, a.in_path, a.out, cfg, endpoint=a.endpoint, rejected_path=a.rejected,
-                           scanner=False if a.no_scan_responses else None, api_key=a.api_key)
+                           scanner=False if a.no_scan_responses else None, api_key=a.api_key,
+                           restart=a.restart)
 
 
 def _preset(presets: dict, name: str):

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from eagle3_platform.cli_args import output_dir, output_file
+
 
 def _dirs(s: str | None) -> list[str]:
     from eagle3_platform.features.shards import check_distinct
@@ -20,6 +22,7 @@ def _positive(args, *names: str) -> None:
 def _train(args) -> dict:
     from eagle3_platform.draft.train import PRESETS, train
 
+    output_dir(args.out)
     if args.preset not in PRESETS:
         raise ValueError(f"unknown preset {args.preset!r}: {sorted(PRESETS)}")
     _positive(args, "max_steps", "epochs", "threads")
@@ -35,6 +38,7 @@ def _train(args) -> dict:
 def _export(args) -> dict:
     from eagle3_platform.draft.export import export_draft
 
+    output_dir(args.out)
     return export_draft(args.draft, args.out, dtype=args.dtype)
 
 
@@ -43,6 +47,7 @@ def _vocab(args) -> dict:
     from eagle3_platform.draft.vocab import save_vocab, vocab_from_features
 
     _positive(args, "draft_vocab_size")
+    output_file(args.out)
     V = target_hf_config(args.target)["vocab_size"]
     d2t, t2d, stats = vocab_from_features(_dirs(args.features), V, args.draft_vocab_size)
     return save_vocab(args.out, d2t, t2d, stats)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
+from eagle3_platform.cli_args import output_dir
 from eagle3_platform.features.extract import PRESETS, extract_file
 from eagle3_platform.features.shards import verify_shards
 
@@ -24,6 +25,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def _extract(args) -> dict:
+    output_dir(args.out)
     cfg = PRESETS[args.preset]
     overrides = {k: v for k, v in (("samples_per_shard", args.samples_per_shard),
                                    ("max_length", args.max_length)) if v is not None}

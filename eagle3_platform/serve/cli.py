@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 
+from eagle3_platform.cli_args import output_file
 from eagle3_platform.serve.config import PRESETS
 
 
@@ -30,6 +31,7 @@ def serve(a) -> dict:
     from eagle3_platform.serve.server import (API_KEY_ENV, bind_socket, build_app, build_engine,
                                               check_api_key, run_server)
 
+    output_file(a.ready_file, "--ready-file")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for flag, v in (("--max-tokens", a.max_tokens), ("--max-queue", a.max_queue), ("--threads", a.threads)):
         if v is not None and v < 1:
