@@ -14,7 +14,7 @@ from eagle3_platform.records import sha256_file
 
 H = 4
 META = dict(target_id="t", weights_hash="w" * 8, capture_layer_ids=[1, 2, 5], template_hash="th",
-            tokenizer_hash="tk", max_length=64, dtype="bfloat16")
+            tokenizer_hash="tk", max_length=64, dtype="bfloat16", compute_dtype="bfloat16")
 
 
 def _sample(T: int, i: int, g: torch.Generator) -> dict:
@@ -113,7 +113,8 @@ def test_truncated_and_missing_shard_named(tmp_path):
 
 
 @pytest.mark.parametrize("key,bad", [("capture_layer_ids", [1, 2, 6]), ("weights_hash", "other"),
-                                     ("template_hash", "th2")])
+                                     ("template_hash", "th2"), ("dtype", "float32"),
+                                     ("compute_dtype", "float32")])
 def test_mismatched_header_vs_expect_is_named(tmp_path, key, bad):
     _write_dir(tmp_path)
     with pytest.raises(ShardError, match=rf"shard-00000.*{key}"):

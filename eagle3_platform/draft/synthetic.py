@@ -16,7 +16,8 @@ from eagle3_platform.features.shards import write_manifest, write_shard
 def _meta(target_meta: dict, max_length: int) -> dict:
     return {"target_id": target_meta["target_id"], "weights_hash": target_meta["weights_hash"],
             "capture_layer_ids": target_meta["capture_layer_ids"], "template_hash": "synthetic",
-            "tokenizer_hash": "synthetic", "max_length": max_length, "dtype": "bfloat16"}
+            "tokenizer_hash": "synthetic", "max_length": max_length, "dtype": "bfloat16",
+            "compute_dtype": "float32"}
 
 
 def _write(out_dir: Path, samples: list[dict], meta: dict, per_shard: int) -> Path:

@@ -74,7 +74,7 @@ def target_header(target: Target, cfg: FeatureConfig) -> dict:
             "capture_layer_ids": list(meta["capture_layer_ids"]),
             "template_hash": template_hash(target.tokenizer),
             "tokenizer_hash": tokenizer_hash(target.tokenizer),
-            "max_length": cfg.max_length, "dtype": cfg.dtype}
+            "max_length": cfg.max_length, "dtype": cfg.dtype, "compute_dtype": meta["dtype"]}
 
 
 # ---------------------------------------------------------------- reading + accounting

@@ -24,12 +24,12 @@ from safetensors import safe_open
 
 from eagle3_platform.records import sha256_file
 
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"  # 2: compute_dtype (the dtype the target ran in) joined the header
 MANIFEST = "manifest.parquet"
 SHARD_PREFIX, SHARD_SUFFIX = "shard-", ".safetensors"
 # Keys every shard header carries; all but max_length must agree across the shards one dataset reads.
 HEADER_KEYS = ("target_id", "weights_hash", "capture_layer_ids", "template_hash", "tokenizer_hash",
-               "max_length", "dtype", "format_version")
+               "max_length", "dtype", "compute_dtype", "format_version")
 COMPAT_KEYS = tuple(k for k in HEADER_KEYS if k != "max_length")
 IDS_KEY = "sample_ids"  # header: JSON list of record ids, one per sample
 TENSORS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden", "offsets")

@@ -1,0 +1,72 @@
+"""Compute dtype selection (auto -> bf16 only where the hardware has it) and thread counts."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle3_platform import compute
+from eagle3_platform.target import load_target
+
+
+@pytest.fixture
+def cpu_with(monkeypatch):
+    def set_flags(*flags):
+        monkeypatch.setattr(compute, "cpu_flags", lambda: frozenset({"sse2", "avx2", *flags}))
+    return set_flags
+
+
+@pytest.mark.parametrize("flag", ["avx512_bf16", "amx_bf16"])
+def test_auto_is_bf16_on_a_cpu_with_native_bf16(cpu_with, flag):
+    cpu_with(flag)
+    assert compute.resolve_dtype("auto") == "bfloat16"
+    assert compute.torch_dtype("auto") is torch.bfloat16
+
+
+def test_auto_is_fp32_on_a_cpu_without_bf16(cpu_with):
+    cpu_with("avx512f")  # AVX-512 alone emulates bf16: slower than fp32
+    assert compute.resolve_dtype("auto") == "float32"
+
+
+def test_explicit_dtypes_win_over_the_probe(cpu_with):
+    cpu_with()
+    assert compute.resolve_dtype("bfloat16") == "bfloat16"
+    cpu_with("avx512_bf16")
+    assert compute.resolve_dtype("float32") == "float32"
+
+
+def test_cuda_auto_follows_the_device_capability(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    assert compute.resolve_dtype("auto", "cuda") == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    assert compute.resolve_dtype("auto", "cuda:0") == "float32"
+
+
+def test_unknown_dtype_is_refused():
+    with pytest.raises(ValueError, match="float16"):
+        compute.resolve_dtype("float16")
+
+
+def test_threads_zero_means_every_core_and_negative_is_refused():
+    assert compute.resolve_threads(0) >= 1
+    assert compute.resolve_threads(3) == 3
+    with pytest.raises(ValueError):
+        compute.resolve_threads(-1)
+
+
+def test_autocast_is_on_only_for_bf16(cpu_with):
+    cpu_with()
+    with compute.autocast("auto"):
+        assert not torch.is_autocast_enabled("cpu")
+    with compute.autocast("bfloat16"):
+        assert torch.is_autocast_enabled("cpu")
+        out = torch.nn.Linear(4, 4)(torch.randn(2, 4))
+    assert out.dtype is torch.bfloat16
+
+
+@pytest.mark.parametrize("flags,want", [(("avx512_bf16",), torch.bfloat16), ((), torch.float32)])
+def test_target_loads_in_the_resolved_dtype_and_records_it(cpu_with, tiny_target_dir, flags, want):
+    cpu_with(*flags)
+    t = load_target(tiny_target_dir, dtype="auto")
+    assert next(t.model.parameters()).dtype is want
+    assert t.meta["dtype"] == str(want).removeprefix("torch.")
