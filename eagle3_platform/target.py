@@ -99,6 +99,9 @@ def load_target(path: str | Path, dtype: str = "float32", device: str = "cpu") -
     if not (path / META_FILE).exists():
         raise FileNotFoundError(f"{path} is not a prepared target; run `eagle3 prepare-target`")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+    if device == "cpu":
+        from eagle3_platform.attention import use_grouped_decode
+        use_grouped_decode(model)
     tok = AutoTokenizer.from_pretrained(path)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token

@@ -10,13 +10,11 @@ exactly as if it ran alone; the 2D padding mask hides the pads from attention.
 Large batches (64-128 rows in bf16 is where a CPU's matmuls pay off) make two costs matter: the
 prefill keeps only the last row of logits (a [B,T,V] logits tensor is GBs), and finished rows leave
 the cache in groups (each removal copies the whole cache), decoding a few ignored rows meanwhile.
-On CPU the decode steps use eager attention: torch's CPU flash kernel is slow for 1-token queries over
-a padded batch (SmolLM2 bf16, batch 64, 2 threads: 150 ms per step eager vs 228 ms sdpa), while the
-prefill stays on sdpa, which is faster for long queries.
+The cache grows in place (kv_cache.GrowingCache), not by concatenation; on CPU the target decodes with
+grouped-query attention (attention.py, set by load_target).
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -60,25 +58,12 @@ def pick(logits: torch.Tensor, s: Sampling, gens: list[torch.Generator] | None) 
     return torch.stack([torch.multinomial(probs[i], 1, generator=g)[0] for i, g in enumerate(gens)])
 
 
-@contextmanager
-def attention(model, impl: str | None):
-    """Run the block with another attention implementation (None: unchanged), then restore it."""
-    before = model.config._attn_implementation
-    if impl and impl != before:
-        model.set_attn_implementation(impl)
-    try:
-        yield
-    finally:
-        if model.config._attn_implementation != before:
-            model.set_attn_implementation(before)
-
-
 @torch.no_grad()
 def generate_batch(model, prompts: list[list[int]], max_new: list[int], stop_ids: set[int],
                    pad_id: int, sampling: Sampling = Sampling(), seeds: list[int] | None = None
                    ) -> list[Generated]:
     """Decode every prompt until a stop id or its own budget `max_new[i]`."""
-    from transformers import DynamicCache
+    from eagle3_platform.kv_cache import GrowingCache
 
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, pad_id)
@@ -87,13 +72,12 @@ def generate_batch(model, prompts: list[list[int]], max_new: list[int], stop_ids
     gens = None
     if sampling.do_sample:
         gens = [torch.Generator().manual_seed(s) for s in (seeds or [0] * len(prompts))]
-    cache = DynamicCache()
+    cache = GrowingCache()
     logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                    use_cache=True, logits_to_keep=1).logits[:, -1]  # [B,V]
     next_pos = pos[:, -1] + 1  # [B]
     out = [Generated([], "") for _ in prompts]
-    with attention(model, "eager" if device.type == "cpu" else None):
-        _decode(model, logits, cache, mask, next_pos, out, max_new, stop_ids, sampling, gens)
+    _decode(model, logits, cache, mask, next_pos, out, max_new, stop_ids, sampling, gens)
     return out
 
 

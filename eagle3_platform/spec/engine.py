@@ -21,6 +21,7 @@ import torch
 
 from eagle3_platform.draft.metrics import acceptance_length
 from eagle3_platform.features.capture import forward_capture
+from eagle3_platform.kv_cache import GrowingCache
 from eagle3_platform.spec.config import PRESETS, SpecConfig
 from eagle3_platform.spec.drafter import EagleDrafter
 from eagle3_platform.spec.sampling import target_probs, verify_greedy, verify_sampling
@@ -34,7 +35,7 @@ class _Seq:
 
     def __init__(self, drafter, temperature: float, gen: torch.Generator | None):
         self.drafter, self.temperature, self.gen = drafter, temperature, gen
-        self.cache = None  # transformers DynamicCache over tokens 0..n-1
+        self.cache = None  # kv_cache.GrowingCache over tokens 0..n-1
         self.n = 0
         self.pending = -1  # x_n
 
@@ -94,7 +95,7 @@ class SpecEngine:
     @torch.no_grad()
     def _prefill(self, seq: _Seq, ids: list[int]) -> list[int]:
         """Target forward over the prompt (capturing g); the first token comes from its last row."""
-        logits, aux, seq.cache = self._forward(torch.tensor([ids]), None, None, None, seq.drafter)
+        logits, aux, seq.cache = self._forward(torch.tensor([ids]), None, None, GrowingCache(), seq.drafter)
         first = self._pick(logits[0, -1], seq)
         if seq.drafter is not None:  # entry t = (g_t, x_{t+1}): the prompt shifted by one + first
             seq.drafter.prefill(aux, torch.tensor(ids[1:] + [first]))

@@ -1,0 +1,47 @@
+"""Decode attention for grouped-query models on CPU, registered with transformers' AttentionInterface.
+
+A decode step has one query token per row. torch's CPU flash kernel and transformers' eager path both
+handle that badly for GQA: eager copies every key/value head `n_rep` times (`repeat_kv`, a fresh
+multi-MB tensor per layer per step), and the flash kernel reads the cache at a few GB/s. Grouping the
+query heads by their key/value head instead makes a step two batched matmuls over the cache as it is
+(SmolLM2 bf16, 2 threads, batch 64 over 400 cached tokens: 135 ms per step vs 447 ms sdpa, 257 ms
+eager). Queries of more than one token (prefill, verification of a draft) go to sdpa unchanged.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+GROUPED_DECODE = "sdpa_grouped_decode"
+
+
+def grouped_decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                             **kwargs):
+    """query [B,H,q,d], key/value [B,kv,S,d], mask bool (True = attend) or additive [B,1,q,S] | None
+    -> (out [B,q,H,d], None), the layout transformers' attention functions return."""
+    B, H, q, d = query.shape
+    kv = key.shape[1]
+    if q != 1 or H % kv:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      dropout=dropout, **kwargs)
+    qg = query.reshape(B, kv, H // kv, d)  # [B,kv,r,d]: head h reads kv head h // r, as repeat_kv does
+    scores = torch.matmul(qg, key.transpose(-1, -2)).float() * (d ** -0.5 if scaling is None else scaling)
+    if attention_mask is not None:  # [B,1,1,S] broadcasts over kv and r
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask, float("-inf"))
+        else:
+            scores = scores + attention_mask
+    weights = torch.softmax(scores, dim=-1).to(value.dtype)  # [B,kv,r,S], softmax in fp32
+    out = torch.matmul(weights, value)  # [B,kv,r,d]
+    return out.reshape(B, H, 1, d).transpose(1, 2), None
+
+
+AttentionInterface.register(GROUPED_DECODE, grouped_decode_attention)
+AttentionMaskInterface.register(GROUPED_DECODE, sdpa_mask)
+
+
+def use_grouped_decode(model) -> None:
+    """Switch a transformers model to this attention (CPU; GPUs keep their fused kernels)."""
+    model.set_attn_implementation(GROUPED_DECODE)

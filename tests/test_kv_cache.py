@@ -1,0 +1,67 @@
+"""GrowingCache + grouped decode attention give what DynamicCache + sdpa give (fp32, tolerances:
+the two compute the same math in another order)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from eagle3_platform.attention import GROUPED_DECODE
+from eagle3_platform.kv_cache import GrowingCache
+from eagle3_platform.spec.tree import keep_path_in_cache
+
+
+@pytest.fixture(scope="module")
+def model(tiny_target_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def decode(model, cache, attn: str, steps: int = 40, drop_at: int = 15, crop_at: int = 25) -> list:
+    """Greedy decode of 3 padded rows; row 1 leaves the batch at `drop_at`; at `crop_at` a 4-token
+    'verify' forward is cut back to its first token (what keep_path_in_cache does after a rejection)."""
+    model.set_attn_implementation(attn)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 400, (3, 12), generator=g)
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[2, :4] = 0  # left padding on row 2
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache)
+    logits, rows, nxt = [out.logits[:, -1]], 3, pos[:, -1] + 1
+    for step in range(steps):
+        tok = logits[-1].argmax(-1, keepdim=True)  # [B,1]
+        if step == drop_at:
+            keep = torch.tensor([0, 2])
+            cache.batch_select_indices(keep)
+            tok, mask, nxt, rows = tok[keep], mask[keep], nxt[keep], 2
+        if step == crop_at:
+            past = cache.get_seq_length()
+            extra = torch.cat([tok, torch.randint(3, 400, (rows, 3), generator=g)], 1)  # [B,4]
+            m4 = torch.cat([mask, mask.new_ones(rows, 4)], 1)
+            model(input_ids=extra, attention_mask=m4, position_ids=nxt[:, None] + torch.arange(4),
+                  past_key_values=cache)
+            keep_path_in_cache(cache, past, [0])  # only the first of the 4 stays
+        mask = torch.cat([mask, mask.new_ones(rows, 1)], 1)
+        logits.append(model(input_ids=tok, attention_mask=mask, position_ids=nxt[:, None],
+                            past_key_values=cache).logits[:, -1])
+        nxt = nxt + 1
+    return logits
+
+
+def test_growing_cache_and_grouped_decode_match_dynamic_cache_and_sdpa(model):
+    want = decode(model, DynamicCache(), "sdpa")
+    got = decode(model, GrowingCache(), GROUPED_DECODE)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_growing_cache_appends_in_place(model):
+    cache = GrowingCache()
+    with torch.no_grad():
+        model(input_ids=torch.randint(3, 400, (1, 8)), past_key_values=cache)
+        buf = cache.layers[0].key_buf.data_ptr()
+        model(input_ids=torch.randint(3, 400, (1, 1)), past_key_values=cache,
+              position_ids=torch.tensor([[8]]))
+    assert cache.layers[0].key_buf.data_ptr() == buf  # no reallocation while there is room
+    assert cache.get_seq_length() == 9
