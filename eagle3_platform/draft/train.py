@@ -76,7 +76,7 @@ PRESETS: dict[str, TrainConfig] = {
     # Vd 4096: a demo corpus has ~1k distinct response tokens (SmolLM2, 47 chat conversations: 1005),
     # and the Vd-wide lm_head is the largest part of the head's cost; small batches → more steps.
     "demo": TrainConfig(ttt_steps=4, draft_vocab_size=4096, lr=1e-3, warmup_ratio=0.05,
-                        batch_tokens=1024, max_len=1024, epochs=4, ckpt_every=10, log_every=2,
+                        batch_tokens=1024, max_len=1024, epochs=3, ckpt_every=10, log_every=2,
                         eval_samples=64),
     # the best head 2 CPU cores train within the cpu preset's 2 hours (~1M regenerated tokens)
     "cpu": TrainConfig(ttt_steps=4, draft_vocab_size=8192, lr=1e-3, warmup_ratio=0.03,
