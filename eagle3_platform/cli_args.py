@@ -53,3 +53,10 @@ def distinct_paths(paths: dict[str, object]) -> None:
         if key in seen:
             raise ValueError(f"{seen[key]} and {flag} are the same file ({path}); give each its own path")
         seen[key] = flag
+
+
+def require_positive(**counts) -> None:
+    """Counts from the command line (flag name -> value; None = not given) must be >= 1."""
+    for name, v in counts.items():
+        if v is not None and v < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, not {v}")

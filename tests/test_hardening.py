@@ -324,6 +324,10 @@ def test_corrupt_checkpoint_on_resume_is_named(tiny_target_dir, feats, tmp_path,
     (["train", "--target", "t", "--features", "f", "--out", "o", "--epochs", "0"], "--epochs"),
     (["vocab", "--target", "t", "--features", "f", "--out", "v", "--draft-vocab-size", "-3"],
      "--draft-vocab-size"),
+    (["filter", "--in", __file__, "--out", "k.jsonl", "--rejected", "r.jsonl", "--max-tokens", "0"],
+     "--max-tokens"),
+    (["regenerate", "--target", "t", "--in", __file__, "--out", "o.jsonl", "--max-new-tokens", "-4"],
+     "--max-new-tokens"),
 ])
 def test_non_positive_counts_are_refused(argv, flag, capsys):
     line = cli_error(capsys, *argv)

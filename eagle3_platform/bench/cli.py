@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from eagle3_platform.cli_args import output_dir
+from eagle3_platform.cli_args import output_dir, require_positive
 
 
 def _ints(s: str) -> list[int]:
@@ -38,9 +38,7 @@ def bench(a) -> dict:
     from eagle3_platform.bench.run import run_benchmark
 
     output_dir(a.out)
-    for flag, v in (("--max-tokens", a.max_tokens), ("--duration", a.duration)):
-        if v < 1:
-            raise ValueError(f"{flag} must be >= 1, not {v}")
+    require_positive(max_tokens=a.max_tokens, duration=a.duration)
     if not os.path.exists(a.prompts):
         raise FileNotFoundError(f"prompts file not found: {a.prompts}")
     res = run_benchmark(a.url, a.prompts, concurrency=_ints(a.concurrency), duration_s=a.duration,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from eagle3_platform.cli_args import distinct_paths, output_file
+from eagle3_platform.cli_args import distinct_paths, output_file, require_positive
 
 
 def add_commands(sub) -> None:
@@ -71,6 +71,7 @@ def cmd_filter(a) -> dict:
     output_file(a.out)
     output_file(a.rejected, "--rejected")
     distinct_paths({"--in": a.in_path, "--out": a.out, "--rejected": a.rejected})
+    require_positive(max_tokens=a.max_tokens)
     tokenizer, max_tokens = None, a.max_tokens
     if a.target:
         from eagle3_platform.data.regenerate import PRESETS, load_tokenizer
@@ -93,6 +94,8 @@ def cmd_filter(a) -> dict:
 def cmd_regenerate(a) -> dict:
     from eagle3_platform.data.regenerate import PRESETS, default_rejected_path, regenerate_file, resolve_config
 
+    require_positive(max_new_tokens=a.max_new_tokens, max_length=a.max_length, batch_size=a.batch_size,
+                     concurrency=a.concurrency)
     _need_file(a.in_path)
     _need_target(a.target)
     output_file(a.out)
@@ -102,9 +105,6 @@ def cmd_regenerate(a) -> dict:
                          max_length=a.max_length, batch_size=a.batch_size, concurrency=a.concurrency,
                          seed=a.seed, temperature=a.temperature, top_p=a.top_p,
                          do_sample=None if a.temperature is None else a.temperature > 0)
-    for name in ("max_new_tokens", "max_length", "batch_size", "concurrency"):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     return regenerate_file(a.target, a.in_path, a.out, cfg, endpoint=a.endpoint, rejected_path=a.rejected,
                            scanner=False if a.no_scan_responses else None, api_key=a.api_key,
                            restart=a.restart)

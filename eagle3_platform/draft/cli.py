@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from eagle3_platform.cli_args import output_dir, output_file
+from eagle3_platform.cli_args import output_dir, output_file, require_positive
 
 
 def _dirs(s: str | None) -> list[str]:
@@ -12,20 +12,13 @@ def _dirs(s: str | None) -> list[str]:
     return check_distinct([d for d in (s or "").split(",") if d])
 
 
-def _positive(args, *names: str) -> None:
-    for name in names:
-        v = getattr(args, name)
-        if v is not None and v < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, not {v}")
-
-
 def _train(args) -> dict:
     from eagle3_platform.draft.train import PRESETS, train
 
     output_dir(args.out)
     if args.preset not in PRESETS:
         raise ValueError(f"unknown preset {args.preset!r}: {sorted(PRESETS)}")
-    _positive(args, "max_steps", "epochs", "threads")
+    require_positive(max_steps=args.max_steps, epochs=args.epochs, threads=args.threads)
     cfg = PRESETS[args.preset]
     overrides = {k: v for k, v in {"max_steps": args.max_steps, "epochs": args.epochs, "seed": args.seed,
                                    "num_threads": args.threads}.items() if v is not None}
@@ -46,7 +39,7 @@ def _vocab(args) -> dict:
     from eagle3_platform.draft.model import target_hf_config
     from eagle3_platform.draft.vocab import save_vocab, vocab_from_features
 
-    _positive(args, "draft_vocab_size")
+    require_positive(draft_vocab_size=args.draft_vocab_size)
     output_file(args.out)
     V = target_hf_config(args.target)["vocab_size"]
     d2t, t2d, stats = vocab_from_features(_dirs(args.features), V, args.draft_vocab_size)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import os
 
-from eagle3_platform.cli_args import output_file
+from eagle3_platform.cli_args import output_file, require_positive
 from eagle3_platform.serve.config import PRESETS
 
 
@@ -33,9 +33,7 @@ def serve(a) -> dict:
 
     output_file(a.ready_file, "--ready-file")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    for flag, v in (("--max-tokens", a.max_tokens), ("--max-queue", a.max_queue), ("--threads", a.threads)):
-        if v is not None and v < 1:
-            raise ValueError(f"{flag} must be >= 1, not {v}")
+    require_positive(max_tokens=a.max_tokens, max_queue=a.max_queue, threads=a.threads)
     api_key = a.api_key or os.environ.get(API_KEY_ENV)
     check_api_key(api_key)  # before the model loads: a key no client can send is a startup error
     cfg = PRESETS[a.preset].with_(host=a.host, port=a.port, max_tokens=a.max_tokens,

@@ -5,7 +5,7 @@ import json
 import os
 from pathlib import Path
 
-from eagle3_platform.cli_args import output_file
+from eagle3_platform.cli_args import output_file, require_positive
 from eagle3_platform.spec.config import PRESETS, get_preset
 
 
@@ -31,10 +31,7 @@ def run_eval(args) -> dict:
     from eagle3_platform.spec.eval import evaluate
 
     output_file(args.out)
-    for flag, v in (("--max-new-tokens", args.max_new_tokens), ("--limit", args.limit),
-                    ("--threads", args.threads)):
-        if v is not None and v < 1:
-            raise ValueError(f"{flag} must be >= 1, not {v}")
+    require_positive(max_new_tokens=args.max_new_tokens, limit=args.limit, threads=args.threads)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.draft and not Path(args.draft).is_dir():
