@@ -27,8 +27,8 @@ def features(tiny_target_dir, tmp_path_factory):
             target_features(tiny_target_dir, root / "eval", n_samples=4, seed=1))
 
 
-def _cli(*args, wait=True):
-    cmd = [sys.executable, "-m", "eagle3_platform.cli", "train", "--preset", "tiny", "--threads", "1", *args]
+def _cli(*args, wait=True, preset="tiny"):
+    cmd = [sys.executable, "-m", "eagle3_platform.cli", "train", "--preset", preset, "--threads", "1", *args]
     p = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if not wait:
         return p
@@ -61,12 +61,14 @@ def test_cli_train_outputs_and_eval(tiny_target_dir, features, tmp_path):
 
 
 @pytest.mark.integration
-def test_resume_after_sigkill_gives_identical_weights(tiny_target_dir, features, tmp_path):
-    common = ["--target", str(tiny_target_dir), "--features", str(features[0]), "--epochs", "20"]
-    ref = _cli(*common, "--out", str(tmp_path / "ref"))
+@pytest.mark.parametrize("preset", ["tiny", "cpu"])  # cpu: its K, Vd, batch and bf16 autocast where native
+def test_resume_after_sigkill_gives_identical_weights(tiny_target_dir, features, tmp_path, preset):
+    common = ["--target", str(tiny_target_dir), "--features", str(features[0]), "--epochs", "20",
+              "--ckpt-every", "2"]
+    ref = _cli(*common, "--out", str(tmp_path / "ref"), preset=preset)
     total = ref["steps"]
     killed = tmp_path / "killed"
-    p = _cli(*common, "--out", str(killed), wait=False)
+    p = _cli(*common, "--out", str(killed), wait=False, preset=preset)
     state, deadline = killed / "checkpoint" / "state.json", time.time() + 240
     while time.time() < deadline and p.poll() is None:
         try:
@@ -81,7 +83,7 @@ def test_resume_after_sigkill_gives_identical_weights(tiny_target_dir, features,
     assert not (killed / "draft.safetensors").exists()
     step_at_kill = json.loads(state.read_text())["step"]
     assert 0 < step_at_kill < total
-    resumed = _cli(*common, "--out", str(killed), "--resume")
+    resumed = _cli(*common, "--out", str(killed), "--resume", preset=preset)
     assert resumed["resumed_from"] == step_at_kill
     a, b = load_file(str(tmp_path / "ref" / "draft.safetensors")), load_file(str(killed / "draft.safetensors"))
     assert set(a) == set(b)

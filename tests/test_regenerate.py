@@ -290,27 +290,28 @@ def test_endpoint_down_fails_loudly_and_resumes(tiny_target_dir, tmp_path):
 
 # ----------------------------------------------------------------------------- resume after SIGKILL
 
-def _cli(inp: Path, out: Path, target: Path) -> list[str]:
+def _cli(inp: Path, out: Path, target: Path, preset: str = "tiny") -> list[str]:
     # sampled (per-record seeds) so that every record's answer differs: a lost, duplicated or
     # mismatched record cannot hide behind identical outputs of the tiny random model
     return [sys.executable, "-m", "eagle3_platform.cli", "regenerate", "--target", str(target), "--in", str(inp),
-            "--out", str(out), "--preset", "tiny", "--max-new-tokens", "32", "--batch-size", "2",
+            "--out", str(out), "--preset", preset, "--max-new-tokens", "32", "--batch-size", "2",
             "--temperature", "1.0", "--no-scan-responses"]
 
 
 @pytest.mark.integration
-def test_resume_after_sigkill_gives_identical_records(tiny_target_dir, tmp_path):
+@pytest.mark.parametrize("preset", ["tiny", "cpu"])  # cpu: bf16 where native, every core
+def test_resume_after_sigkill_gives_identical_records(tiny_target_dir, tmp_path, preset):
     prompts = mixed_prompts(30)
     inp = write_prompts(tmp_path / "in.jsonl", prompts)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     ref = tmp_path / "ref.jsonl"
-    done = subprocess.run(_cli(inp, ref, tiny_target_dir), cwd=ROOT, env=env, capture_output=True, text=True,
+    done = subprocess.run(_cli(inp, ref, tiny_target_dir, preset), cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout.strip().splitlines()[-1])["written"] == 30
 
     out = tmp_path / "out.jsonl"
-    proc = subprocess.Popen(_cli(inp, out, tiny_target_dir), cwd=ROOT, env=env,
+    proc = subprocess.Popen(_cli(inp, out, tiny_target_dir, preset), cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 240
@@ -325,7 +326,7 @@ def test_resume_after_sigkill_gives_identical_records(tiny_target_dir, tmp_path)
     killed_lines = out.read_bytes().count(b"\n")
     assert 1 <= killed_lines < 30, f"the run was not killed part-way ({killed_lines} lines)"
 
-    again = subprocess.run(_cli(inp, out, tiny_target_dir), cwd=ROOT, env=env, capture_output=True, text=True,
+    again = subprocess.run(_cli(inp, out, tiny_target_dir, preset), cwd=ROOT, env=env, capture_output=True, text=True,
                            timeout=300)
     assert again.returncode == 0, again.stderr[-2000:]
     summary = json.loads(again.stdout.strip().splitlines()[-1])

@@ -44,8 +44,10 @@ class RegenConfig:
     seed: int  # sampling: per-record RNG = hash(seed, record id, turn)
     max_length: int  # prompt + response token budget of a whole rendered conversation
     concurrency: int  # endpoint: conversations in flight
-    # local: KV entries (rows x (longest prompt + max_new_tokens)) one batch may hold; capped by RAM
-    batch_tokens: int = 65536
+    # local: KV entries (rows x (longest prompt + max_new_tokens)) one batch may hold; capped by RAM.
+    # It also bounds the prefill, whose attention temporaries grow with rows x prompt^2: 64 rows of
+    # 900-token multi-turn histories in one forward stalled for minutes on 2 cores.
+    batch_tokens: int = 16384
     dtype: str = "auto"  # local compute dtype: auto = bf16 where the hardware has it (compute.py)
     torch_threads: int = 0  # local: 0 = all cores (the step runs alone); >0 pins (a shared box)
     request_timeout_s: float = 600.0
@@ -65,7 +67,7 @@ PRESETS: dict[str, RegenConfig] = {
                         seed=0, max_length=1024, concurrency=4),
     # CPU training run: more and longer answers, batch 128 (bf16 peaks there on 2 cores).
     "cpu": RegenConfig(max_new_tokens=256, batch_size=128, do_sample=False, temperature=0.0, top_p=1.0,
-                       seed=0, max_length=1536, concurrency=4, batch_tokens=98304),
+                       seed=0, max_length=1536, concurrency=4, batch_tokens=24576),
     # Production: sampled answers (diversity) at the target's usual settings, usually via SGLang/vLLM.
     "full": RegenConfig(max_new_tokens=1024, batch_size=32, do_sample=True, temperature=0.7, top_p=0.95,
                         seed=0, max_length=4096, concurrency=64),

@@ -18,10 +18,12 @@ def _train(args) -> dict:
     output_dir(args.out)
     if args.preset not in PRESETS:
         raise ValueError(f"unknown preset {args.preset!r}: {sorted(PRESETS)}")
-    require_positive(max_steps=args.max_steps, epochs=args.epochs, threads=args.threads)
+    require_positive(max_steps=args.max_steps, epochs=args.epochs, threads=args.threads,
+                     ckpt_every=args.ckpt_every)
     cfg = PRESETS[args.preset]
     overrides = {k: v for k, v in {"max_steps": args.max_steps, "epochs": args.epochs, "seed": args.seed,
-                                   "num_threads": args.threads}.items() if v is not None}
+                                   "num_threads": args.threads, "ckpt_every": args.ckpt_every,
+                                   "dtype": args.dtype}.items() if v is not None}
     cfg = replace(cfg, **overrides)
     out = train(args.target, _dirs(args.features), args.out, cfg, resume=args.resume,
                 eval_dirs=_dirs(args.eval_features), vocab_path=args.vocab)
@@ -51,14 +53,16 @@ def add_commands(sub) -> None:
     p.add_argument("--target", required=True, help="prepared target dir")
     p.add_argument("--features", required=True, help="feature dir(s), comma-separated")
     p.add_argument("--out", required=True, help="draft dir (checkpoints + draft.safetensors)")
-    p.add_argument("--preset", default="demo", help="tiny | demo | full")
+    p.add_argument("--preset", default="demo", help="tiny | demo | cpu | full")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     p.add_argument("--eval-features", default="", help="held-out feature dir(s), comma-separated")
     p.add_argument("--vocab", default=None, help="draft vocab file (default: built from --features)")
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--epochs", type=int, default=None)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
+    p.add_argument("--ckpt-every", type=int, default=None, help="optimizer steps between checkpoints")
+    p.add_argument("--dtype", default=None, help="auto | bfloat16 | float32 compute (default: the preset's)")
     p.set_defaults(func=_train)
 
     p = sub.add_parser("export", help="export a trained head in SGLang LlamaForCausalLMEagle3 format")
