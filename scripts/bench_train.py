@@ -7,6 +7,8 @@ For each draft vocab size (--draft-vocab, comma-separated) it times
   - naive:      fwd+bwd at K with the reference attention (all steps' keys + explicit mask),
   - full_step:  a whole optimizer step (teacher from the frozen full-vocab lm_head on the rows that can
                 be supervised + fwd+bwd + clip + AdamW).
+  - full_step_fp32_1thread vs full_step_<dtype>_<n>threads: a whole step on the turn-1 path (fp32, one
+                thread) and on the training path (`--dtype`, bf16 autocast where native, `--path-threads`).
 All variants are interleaved within each repeat (so load changes on a shared box hit them alike),
 after --warmup rounds; medians over --reps; ratios are taken from the same run. Two thirds of the
 positions are "response" and all of them supervised (worst case for the lm_head).
@@ -26,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from eagle3_platform.compute import autocast, resolve_dtype, resolve_threads  # noqa: E402
 from eagle3_platform.draft.model import DraftConfig, Eagle3Draft  # noqa: E402
 from eagle3_platform.draft.ttt import (TTTLoss, naive_ttt_attention, shift_left, step_masks,  # noqa: E402
                                        teacher, ttt_attention)
@@ -67,17 +70,27 @@ class Case:
         loss.backward()
         self.draft.zero_grad(set_to_none=True)
 
-    def full_step(self):
-        tlogp, masks, denom = self.targets(self.K)
-        loss, _, _ = TTTLoss(self.draft, self.K)(self.aux, self.ids, tlogp, masks, denom)
+    def full_step(self, dtype: str = "float32"):
+        with autocast(dtype):  # as draft/train.py: teacher and head forward under autocast
+            tlogp, masks, denom = self.targets(self.K)
+            loss, _, _ = TTTLoss(self.draft, self.K)(self.aux, self.ids, tlogp, masks, denom)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, 0.5)
         self.opt.step()
 
-    def variants(self):
-        return {"fwd_bwd_K": lambda: self.fwd_bwd(self.K), "fwd_bwd_K1": lambda: self.fwd_bwd(1),
-                "naive": lambda: self.fwd_bwd(self.K, naive_ttt_attention), "full_step": self.full_step}
+    def variants(self, threads: int, path_threads: int, dtype: str):
+        def on(n, fn):
+            def run():
+                torch.set_num_threads(n)
+                fn()
+            return run
+        return {"fwd_bwd_K": on(threads, lambda: self.fwd_bwd(self.K)),
+                "fwd_bwd_K1": on(threads, lambda: self.fwd_bwd(1)),
+                "naive": on(threads, lambda: self.fwd_bwd(self.K, naive_ttt_attention)),
+                "full_step": on(threads, self.full_step),
+                "full_step_fp32_1thread": on(1, self.full_step),
+                f"full_step_{dtype}_{path_threads}threads": on(path_threads, lambda: self.full_step(dtype))}
 
 
 def main() -> None:
@@ -88,25 +101,29 @@ def main() -> None:
     ap.add_argument("--K", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--dtype", default="auto", help="training path's compute dtype (compute.resolve_dtype)")
+    ap.add_argument("--path-threads", type=int, default=0, help="training path's threads (0 = all cores)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (1: on a shared 2-core box, 2 threads thrash under contention)")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    dtype, path_threads = resolve_dtype(args.dtype), resolve_threads(args.path_threads)
     B, T = args.tokens // args.seq_len, args.seq_len
     cases = {int(v): Case(int(v), B, T, args.K) for v in args.draft_vocab.split(",")}
     times: dict[tuple[int, str], list[float]] = {}
     for rep in range(args.warmup + args.reps):
         for vd, case in cases.items():
-            for name, fn in case.variants().items():
+            for name, fn in case.variants(args.threads, path_threads, dtype).items():
                 t0 = time.perf_counter()
                 fn()
                 if rep >= args.warmup:
                     times.setdefault((vd, name), []).append(time.perf_counter() - t0)
     n_tok, K = B * T, args.K
-    out = {"config": {"H": 576, "V": 49152, "K": K, "batch": [B, T], "threads": torch.get_num_threads(),
+    out = {"config": {"H": 576, "V": 49152, "K": K, "batch": [B, T], "threads": args.threads,
+                      "path": {"dtype": dtype, "threads": path_threads},
                       "reps": args.reps}, "results": {}}
     for vd, case in cases.items():
-        med = {name: statistics.median(times[(vd, name)]) for name in case.variants()}
+        names = case.variants(args.threads, path_threads, dtype)
+        med = {name: statistics.median(times[(vd, name)]) for name in names}
         out["results"][f"Vd={vd}"] = {
             "head_params": sum(p.numel() for p in case.params),
             f"fwd_bwd_K{K}_tok_per_s": n_tok / med["fwd_bwd_K"],
@@ -114,6 +131,10 @@ def main() -> None:
             f"full_step_K{K}_tok_per_s": n_tok / med["full_step"],
             f"cost_ratio_K{K}_vs_K1": med["fwd_bwd_K"] / med["fwd_bwd_K1"],
             "naive_over_single_pass_time": med["naive"] / med["fwd_bwd_K"],
+            f"full_step_{dtype}_{path_threads}threads_tok_per_s": n_tok / med[f"full_step_{dtype}_{path_threads}threads"],
+            "full_step_fp32_1thread_tok_per_s": n_tok / med["full_step_fp32_1thread"],
+            "training_path_speedup_vs_fp32_1thread": med["full_step_fp32_1thread"]
+            / med[f"full_step_{dtype}_{path_threads}threads"],
             "median_seconds": med}
     print(json.dumps(out, indent=2))
 
