@@ -61,11 +61,12 @@ PRESETS: dict[str, RegenConfig] = {
     "tiny": RegenConfig(max_new_tokens=16, batch_size=4, do_sample=False, temperature=0.0, top_p=1.0,
                         seed=0, max_length=512, concurrency=2, dtype="float32", torch_threads=1,
                         progress_every_s=2.0),
-    # The demo graph must fit in 20 min on 2 CPU cores. bf16 batches of up to 64 on both cores run
-    # ~10x the old fp32 batch-8 single-thread path; the step runs alone, so it takes every core.
+    # The demo graph must fit in 20 min on 2 CPU cores. bf16 batches of up to 64 on both cores: 4x the
+    # turn-1 fp32 batch-8 single-thread path (248 vs 62 tok/s); the step runs alone, so it takes every core.
     "demo": RegenConfig(max_new_tokens=128, batch_size=64, do_sample=False, temperature=0.0, top_p=1.0,
                         seed=0, max_length=1024, concurrency=4),
-    # CPU training run: more and longer answers, batch 128 (bf16 peaks there on 2 cores).
+    # CPU training run: more and longer answers; up to 128 rows where prompts are short (bf16 throughput
+    # still grows to batch 128 on 2 cores), fewer for long ones (batch_tokens).
     "cpu": RegenConfig(max_new_tokens=256, batch_size=128, do_sample=False, temperature=0.0, top_p=1.0,
                        seed=0, max_length=1536, concurrency=4, batch_tokens=24576),
     # Production: sampled answers (diversity) at the target's usual settings, usually via SGLang/vLLM.
@@ -215,6 +216,7 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
     Nothing written (every record rejected, or an empty input) is a failed stage: ValueError.
     """
     from eagle3_platform.cli_args import distinct_paths
+    from eagle3_platform.compute import resolve_dtype
     from eagle3_platform.target import read_meta
 
     cfg = resolve_config(cfg)
@@ -227,8 +229,10 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
     if scanner is None:
         from eagle3_platform.data.pii import get_scanner
         scanner = get_scanner()
-    gen = {"mode": "endpoint" if endpoint else "local", **_settings(cfg),
-           "weights_hash": meta.get("weights_hash", ""), "dtype": cfg.dtype}  # with the rest: the resume key
+    # with the rest: the resume key. The dtype resolved ('auto' may mean bf16 here, fp32 elsewhere);
+    # an endpoint's dtype is the server's business.
+    gen = {"mode": "endpoint" if endpoint else "local", **_settings(cfg), "weights_hash": meta.get("weights_hash", ""),
+           "dtype": None if endpoint else resolve_dtype(cfg.dtype)}
     if endpoint:
         gen["endpoint"] = _public_url(endpoint)
     check_resume_key(out_path, rejected_path, resume_key(meta, tok, gen), restart)
