@@ -78,7 +78,7 @@ PRESETS: dict[str, TrainConfig] = {
     "demo": TrainConfig(ttt_steps=4, draft_vocab_size=4096, lr=1e-3, warmup_ratio=0.05,
                         batch_tokens=1024, max_len=1024, epochs=3, ckpt_every=10, log_every=2,
                         eval_samples=64),
-    # the best head 2 CPU cores train within the cpu preset's 2 hours (~1M regenerated tokens)
+    # the best head 2 CPU cores train within the cpu preset's 2 hours (0.3-0.5M regenerated tokens)
     "cpu": TrainConfig(ttt_steps=4, draft_vocab_size=8192, lr=1e-3, warmup_ratio=0.03,
                        batch_tokens=4096, max_len=2048, epochs=2, ckpt_every=20, log_every=10,
                        eval_samples=128),
