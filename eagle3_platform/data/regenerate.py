@@ -19,6 +19,7 @@ recomputed whole, so a resumed greedy run produces the very same tokens as an un
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 import threading
 import time
@@ -388,20 +389,17 @@ def plan_batches(plan: list, prompt_lengths: list[int], cfg: RegenConfig, budget
     resumed run sees the same batches."""
     batches, cur, longest = [], [], 0
     for c, n in zip(plan, prompt_lengths):
-        longest_if = max(longest, n)
-        if cur and (len(cur) >= cfg.batch_size or (len(cur) + 1) * (longest_if + cfg.max_new_tokens) > budget):
+        if cur and (len(cur) >= cfg.batch_size or (len(cur) + 1) * (max(longest, n) + cfg.max_new_tokens) > budget):
             batches.append(cur)
-            cur, longest_if = [], n
+            cur, longest = [], 0
         cur.append(c)
-        longest = longest_if
+        longest = max(longest, n)
     return batches + ([cur] if cur else [])
 
 
 def kv_token_budget(model, fraction: float = 0.25) -> int:
     """KV entries that fit in `fraction` of the machine's RAM (its total, not what is free now, so the
     plan does not change between a run and its resume)."""
-    import os
-
     c = model.config
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
