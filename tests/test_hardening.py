@@ -92,7 +92,7 @@ def test_extract_with_every_record_rejected_fails(tiny_target, tiny_target_dir, 
     conv = write_conv(tmp_path / "conv.jsonl", conversations(tiny_target, 3, target_id="other-model"))
     line = cli_error(capsys, "extract", "--target", tiny_target_dir, "--in", conv, "--out", tmp_path / "fe",
                      "--preset", "tiny")
-    assert "all 3 records" in line and "mismatch:target_id x3" in line and "rejected.jsonl" in line
+    assert "all 3 records" in line and "mismatch:target_id: 3" in line and "rejected.jsonl" in line
     assert len((tmp_path / "fe" / "rejected.jsonl").read_text().splitlines()) == 3  # reasons kept
     assert not (tmp_path / "fe" / "manifest.parquet").exists()  # nothing that looks like features
 

@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from eagle3_platform.features.capture import forward_capture
 from eagle3_platform.features.shards import (MANIFEST, ShardError, check_shard, read_header,
                                              read_manifest, rows_from_shards, shard_name,
                                              write_manifest, write_shard)
-from eagle3_platform.records import ConversationRecord, Rejection, write_jsonl_atomic
+from eagle3_platform.records import ConversationRecord, Rejection, top_reasons, write_jsonl_atomic
 from eagle3_platform.storage import Storage, storage_from_uri
 from eagle3_platform.target import Target, load_target
 
@@ -267,13 +268,10 @@ def extract_file(target_dir: str | Path, conv_path: str | Path, out_dir: str | P
 def _nothing_usable(conv_path, read: int, rejected: list[Rejection], rejected_path: Path) -> str:
     if not read:
         return f"no conversation records in {conv_path}: nothing to extract"
-    reasons: dict[str, int] = {}
-    for r in rejected:
-        reasons[r.reason] = reasons.get(r.reason, 0) + 1
-    top = ", ".join(f"{k} x{v}" for k, v in sorted(reasons.items(), key=lambda kv: -kv[1]))
+    reasons = Counter(r.reason for r in rejected)
     hint = " (records made for another target: regenerate them with this one)" \
         if "mismatch:target_id" in reasons or "mismatch:template_hash" in reasons else ""
-    return f"all {read} records of {conv_path} rejected: {top}{hint}; details in {rejected_path}"
+    return f"all {read} records of {conv_path} rejected: {top_reasons(reasons)}{hint}; details in {rejected_path}"
 
 
 def _run_shards(target, cfg, header, sink, slices) -> tuple[list[dict], list[str], list[str]]:
