@@ -444,3 +444,25 @@ def test_batches_respect_row_and_kv_budgets_and_keep_the_order():
         assert len(b) == 1 or len(b) * (max(lengths[i] for i in b) + 10) <= 100
     assert batches == [[0, 1, 2], [3, 4], [5, 6], [7]]  # the 200-token prompt alone exceeds the budget
     assert plan_batches(list(range(8)), lengths, cfg, budget=10**6) == [[0, 1, 2], [3, 4, 5], [6, 7]]
+
+
+def test_later_turns_are_split_by_their_own_lengths(tiny_target_dir, tok, tmp_path, monkeypatch):
+    """Turn 3 carries the whole history: its forwards must respect batch_tokens too, and splitting
+    must not change any record (fp32 greedy)."""
+    import eagle3_platform.data.local_gen as local_gen
+
+    prompts = [prompt_record(i, [f"Question {i}." + " More words here." * i, "And then?", "Why?"]) for i in range(6)]
+    inp = write_prompts(tmp_path / "in.jsonl", prompts)
+    loose = replace(TINY, batch_size=6, batch_tokens=10**6)
+    regenerate_file(tiny_target_dir, inp, tmp_path / "loose.jsonl", loose, scanner=NoScan())
+
+    calls, real = [], local_gen.generate_batch
+    monkeypatch.setattr(local_gen, "generate_batch",
+                        lambda model, p, n, *a, **k: calls.append((len(p), max(map(len, p)))) or real(model, p, n, *a, **k))
+    first = max(len(render_prompt(tok, p["messages"])) for p in prompts)
+    tight = replace(loose, batch_tokens=6 * (first + TINY.max_new_tokens))  # turn 1 fits in one batch
+    regenerate_file(tiny_target_dir, inp, tmp_path / "tight.jsonl", tight, scanner=NoScan())
+    assert calls[0][0] == 6 and len(calls) > 3  # later turns were split
+    assert all(rows == 1 or rows * (longest + tight.max_new_tokens) <= tight.batch_tokens for rows, longest in calls)
+    strip = lambda path: sorted((r["id"], r["messages"]) for r in read_jsonl(path))
+    assert strip(tmp_path / "tight.jsonl") == strip(tmp_path / "loose.jsonl")

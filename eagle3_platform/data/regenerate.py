@@ -377,7 +377,7 @@ def run_local(target_dir, convos: list[Convo], turns: Turns, cfg: RegenConfig, d
     for batch in plan_batches(plan, [lengths[c.rec.id] for c in plan], cfg, budget):
         if all(c.rec.id in done for c in batch):
             continue
-        decode_turns(target.model, batch, turns, cfg)
+        decode_turns(target.model, batch, turns, cfg, budget)
         for c in batch:
             if c.rec.id not in done:
                 emit(c)
@@ -409,25 +409,35 @@ def kv_token_budget(model, fraction: float = 0.25) -> int:
     return max(1, int(ram * fraction) // per_token)
 
 
-def decode_turns(model, batch: list[Convo], turns: Turns, cfg: RegenConfig) -> None:
-    """Advance the whole batch one user turn at a time; conversations with fewer turns drop out."""
-    from eagle3_platform.data.local_gen import Sampling, generate_batch
+def decode_turns(model, batch: list[Convo], turns: Turns, cfg: RegenConfig, budget: int) -> None:
+    """Advance the whole batch one user turn at a time; conversations with fewer turns drop out.
+    Later turns carry the whole history, so each turn is re-split by its own prompt lengths: the
+    batch_tokens bound holds for every forward, not only for turn 1."""
+    from eagle3_platform.data.local_gen import Sampling
 
     sampling = Sampling(cfg.do_sample, cfg.temperature, cfg.top_p)
     pad_id = turns.tok.pad_token_id if turns.tok.pad_token_id is not None else min(turns.stop_ids)
     for k in range(max(len(c.segments) for c in batch)):
         reqs = [(c, turns.next(c, k)) for c in batch
                 if k < len(c.segments) and c.reject is None and not c.dropped_turns]
-        reqs = [(c, nxt) for c, nxt in reqs if nxt is not None]
+        reqs = sorted(((c, nxt) for c, nxt in reqs if nxt is not None), key=lambda r: len(r[1][1]))
         if not reqs:
             return
-        outs = generate_batch(model, [ids for _, (_, ids, _) in reqs], [n for _, (_, _, n) in reqs],
-                              turns.stop_ids, pad_id, sampling,
-                              seeds=[turn_seed(cfg.seed, c.rec.id, k) for c, _ in reqs])
-        for (c, (msgs, _, _)), g in zip(reqs, outs):
-            body = g.tokens[:-1] if g.finish_reason == "stop" else g.tokens  # the EOT is the template's
-            text = turns.tok.decode(body, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-            turns.answer(c, msgs, text, g.finish_reason, len(g.tokens))
+        for group in plan_batches(reqs, [len(ids) for _, (_, ids, _) in reqs], cfg, budget):
+            decode_group(model, group, turns, cfg, k, sampling, pad_id)
+
+
+def decode_group(model, group: list, turns: Turns, cfg: RegenConfig, k: int, sampling, pad_id: int) -> None:
+    """One forward batch of turn k: [(convo, (messages, prompt ids, max new))] answered in place."""
+    from eagle3_platform.data.local_gen import generate_batch
+
+    outs = generate_batch(model, [ids for _, (_, ids, _) in group], [n for _, (_, _, n) in group],
+                          turns.stop_ids, pad_id, sampling,
+                          seeds=[turn_seed(cfg.seed, c.rec.id, k) for c, _ in group])
+    for (c, (msgs, _, _)), g in zip(group, outs):
+        body = g.tokens[:-1] if g.finish_reason == "stop" else g.tokens  # the EOT is the template's
+        text = turns.tok.decode(body, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        turns.answer(c, msgs, text, g.finish_reason, len(g.tokens))
 
 
 def summarize(prompts: Prompts, out_path: Path, rejected_path: Path, resumed: int, progress: Progress,
