@@ -65,3 +65,28 @@ def test_growing_cache_appends_in_place(model):
               position_ids=torch.tensor([[8]]))
     assert cache.layers[0].key_buf.data_ptr() == buf  # no reallocation while there is room
     assert cache.get_seq_length() == 9
+
+
+@pytest.mark.parametrize("mask_kind", ["tree", "padding"])
+@torch.no_grad()
+def test_grouped_attention_of_a_verify_forward_matches_sdpa(model, mask_kind):
+    """A multi-token query under an explicit mask (a draft tree's additive 4D mask, or a 2D padding
+    mask that transformers expands) is grouped too; its logits equal sdpa's."""
+    from eagle3_platform.spec.tree import tree_attention_mask, tree_positions
+
+    g = torch.Generator().manual_seed(1)
+    prompt, nodes = torch.randint(3, 400, (1, 20), generator=g), torch.randint(3, 400, (1, 6), generator=g)
+    parents = torch.tensor([-1, 0, 0, 1, 2, 3])  # two branches
+    out = {}
+    for attn in ("sdpa", GROUPED_DECODE):
+        model.set_attn_implementation(attn)
+        cache = GrowingCache()
+        model(input_ids=prompt, past_key_values=cache)
+        if mask_kind == "tree":
+            kw = dict(attention_mask=tree_attention_mask(parents, 20), position_ids=tree_positions(parents, 20))
+        else:
+            pad = torch.ones(1, 26, dtype=torch.long)
+            pad[0, :2] = 0  # two left pads: transformers must build a mask (all ones would be skipped)
+            kw = dict(attention_mask=pad, position_ids=torch.arange(20, 26)[None])
+        out[attn] = model(input_ids=nodes, past_key_values=cache, **kw).logits
+    torch.testing.assert_close(out[GROUPED_DECODE], out["sdpa"], atol=1e-4, rtol=1e-4)

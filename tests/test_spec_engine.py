@@ -147,3 +147,18 @@ def test_bad_arguments(target):
         engine.generate([1, 2], 0)
     with pytest.raises(ValueError):
         SpecConfig(num_steps=2, eagle_topk=1, num_draft_tokens=5)
+
+
+@pytest.mark.parametrize("cfg", [PRESETS["chain"], SpecConfig(num_steps=4, eagle_topk=1, num_draft_tokens=3)])
+def test_chain_fast_path_drafts_what_the_tree_code_drafts(target, random_draft, cfg):
+    """topk 1 skips the pool and the tree masks; it must propose the same chain as the general code."""
+    from eagle3_platform.spec.drafter import EagleDrafter
+
+    g = torch.Generator().manual_seed(0)
+    width, vocab = random_draft.fc.in_features, target.model.config.vocab_size
+    drafter = EagleDrafter(random_draft, cfg)
+    drafter.prefill(torch.randn(1, 9, width, generator=g), torch.randint(0, vocab, (9,), generator=g))
+    fast, general = drafter._propose_chain(5), drafter._propose_tree(5)
+    assert len(fast) == cfg.num_draft_tokens
+    assert fast.tokens.tolist() == general.tokens.tolist()
+    assert fast.parents.tolist() == general.parents.tolist()

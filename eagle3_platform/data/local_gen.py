@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from eagle3_platform.spec.sampling import greedy
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -47,7 +49,7 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
 def pick(logits: torch.Tensor, s: Sampling, gens: list[torch.Generator] | None) -> torch.Tensor:
     """logits [B,V] -> next ids [B]. Greedy argmax, or temperature + top-p with one RNG per row."""
     if not s.do_sample:
-        return logits.argmax(-1)
+        return greedy(logits)
     probs = torch.softmax(logits.float() / s.temperature, dim=-1)  # [B,V]
     if s.top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)

@@ -64,6 +64,9 @@ class EagleDrafter:
 
     @torch.no_grad()
     def propose(self, root: int) -> Tree:
+        return self._propose_chain(root) if self.cfg.eagle_topk == 1 else self._propose_tree(root)
+
+    def _propose_tree(self, root: int) -> Tree:
         pool = _Pool()
         k = self.cfg.eagle_topk
         logp = _log_probs(self.draft, self.h_last)[0]  # [1,Vd] -> [Vd]
@@ -79,6 +82,24 @@ class EagleDrafter:
             pool.n_entries += len(frontier)
             frontier, hidden = self._expand(pool, frontier, h, k)
         return pool.to_tree(root, self.cfg.num_draft_tokens - 1, self.draft)
+
+    def _propose_chain(self, root: int) -> Tree:
+        """topk = 1: the tree is a chain, so each draft entry sees the prefix and the entries before it
+        (a causal mask) and no pool is needed. Same tokens as the tree code with k = 1 (argmax of the
+        logits = argmax of the log-probs; the first `num_draft_tokens - 1` steps are the best ones)."""
+        d, n = self.draft, self.n
+        steps = min(self.cfg.num_steps, self.cfg.num_draft_tokens - 1)
+        h, past_k, past_v = self.h_last, self.k, self.v
+        picks = []
+        for step in range(1, steps + 1):
+            picks.append(d.logits(h)[0, -1].float().argmax())  # draft id of the depth-`step` node
+            if step == steps:
+                break
+            ids = d.to_target_ids(picks[-1])[None, None]  # [1,1]
+            h, (k, v) = d.backbone(d.embed(ids), h, torch.tensor([[n - 1 + step]]), None, (past_k, past_v))
+            past_k, past_v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+        tokens = d.to_target_ids(torch.stack(picks)) if picks else torch.empty(0, dtype=torch.long)
+        return Tree(torch.cat([torch.tensor([root]), tokens.long()]), torch.arange(-1, len(picks)))
 
     def _run_frontier(self, pool, frontier, hidden, tree_k, tree_v, step):
         """One draft forward over the frontier (depth `step` nodes) as new entries."""

@@ -24,7 +24,7 @@ from eagle3_platform.features.capture import forward_capture
 from eagle3_platform.kv_cache import GrowingCache
 from eagle3_platform.spec.config import PRESETS, SpecConfig
 from eagle3_platform.spec.drafter import EagleDrafter
-from eagle3_platform.spec.sampling import target_probs, verify_greedy, verify_sampling
+from eagle3_platform.spec.sampling import greedy, target_probs, verify_greedy, verify_sampling
 from eagle3_platform.spec.stops import Finisher, eos_token_ids
 from eagle3_platform.spec.tree import (Tree, keep_path_in_cache, root_only, tree_attention_mask,
                                        tree_positions)
@@ -126,7 +126,7 @@ class SpecEngine:
 
     def _pick(self, logits: torch.Tensor, seq: _Seq) -> int:
         if seq.temperature == 0:
-            return int(logits.argmax())
+            return int(greedy(logits))
         return int(torch.multinomial(target_probs(logits, seq.temperature), 1, generator=seq.gen))
 
     def _forward(self, ids, mask, pos, cache, drafter):

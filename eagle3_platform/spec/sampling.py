@@ -19,7 +19,7 @@ def verify_greedy(tree: Tree, logits: torch.Tensor) -> tuple[list[int], int]:
     at that position; the bonus is the argmax after the accepted path. Hence greedy speculative output
     equals the target's greedy decoding token for token, whatever the draft proposes.
     """
-    best = logits.argmax(dim=-1).tolist()  # [N] target greedy token after each node
+    best = greedy(logits).tolist()  # [N] target greedy token after each node
     tokens, kids = tree.tokens.tolist(), tree.children()
     path = [0]
     while True:
@@ -28,6 +28,12 @@ def verify_greedy(tree: Tree, logits: torch.Tensor) -> tuple[list[int], int]:
         if nxt is None:
             return path, best[node]
         path.append(nxt)
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """[..., V] -> [...] argmax. Through fp32: the same index (bf16 -> fp32 is exact, first max wins),
+    and torch's bf16 argmax is ~6x slower on CPU (0.87 vs 0.16 ms for 5 x 49152)."""
+    return logits.float().argmax(dim=-1)
 
 
 def target_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -90,8 +90,12 @@ def keep_path_in_cache(cache, past_len: int, path: list[int]) -> None:
     past_len + j must hold the KV of path[j]. path[0] = 0 (the root) so the root never moves, and
     path is increasing, so copying the tail left and cropping is enough (no full-cache gather).
     """
-    src = torch.tensor(path, dtype=torch.long) + past_len  # [m+1]
     keep = past_len + len(path)
+    if path == list(range(len(path))):  # a chain's accepted prefix is already in place: crop only
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, :keep], layer.values[:, :, :keep]
+        return
+    src = torch.tensor(path, dtype=torch.long) + past_len  # [m+1]
     for layer in cache.layers:
         # [B,kv,S,hd]: RHS advanced indexing copies before the write, so overlaps are safe
         layer.keys[:, :, past_len:keep] = layer.keys[:, :, src]
