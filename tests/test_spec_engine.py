@@ -149,7 +149,8 @@ def test_bad_arguments(target):
         SpecConfig(num_steps=2, eagle_topk=1, num_draft_tokens=5)
 
 
-@pytest.mark.parametrize("cfg", [PRESETS["chain"], SpecConfig(num_steps=4, eagle_topk=1, num_draft_tokens=3)])
+@pytest.mark.parametrize("cfg", [PRESETS["chain"], SpecConfig(num_steps=4, eagle_topk=1, num_draft_tokens=3),
+                                 SpecConfig(num_steps=4, eagle_topk=1, num_draft_tokens=5, min_draft_prob=0.02)])
 def test_chain_fast_path_drafts_what_the_tree_code_drafts(target, random_draft, cfg):
     """topk 1 skips the pool and the tree masks; it must propose the same chain as the general code."""
     from eagle3_platform.spec.drafter import EagleDrafter
@@ -159,6 +160,24 @@ def test_chain_fast_path_drafts_what_the_tree_code_drafts(target, random_draft, 
     drafter = EagleDrafter(random_draft, cfg)
     drafter.prefill(torch.randn(1, 9, width, generator=g), torch.randint(0, vocab, (9,), generator=g))
     fast, general = drafter._propose_chain(5), drafter._propose_tree(5)
-    assert len(fast) == cfg.num_draft_tokens
+    assert len(fast) <= cfg.num_draft_tokens and (cfg.min_draft_prob > 0 or len(fast) == cfg.num_draft_tokens)
     assert fast.tokens.tolist() == general.tokens.tolist()
     assert fast.parents.tolist() == general.parents.tolist()
+
+
+def test_min_draft_prob_cuts_the_draft_and_keeps_output(target, refs, random_draft):
+    """Nodes the head doubts are not verified: smaller trees, the same greedy output."""
+    from dataclasses import replace
+
+    for name in ("chain", "tree"):
+        full, cut = (SpecEngine(target, random_draft, replace(PRESETS[name], min_draft_prob=p)) for p in (0.0, 0.05))
+        for p in PROMPTS:
+            out_full, _ = full.generate(_ids(target, p), MAX_NEW)
+            out_cut, stats = cut.generate(_ids(target, p), MAX_NEW)
+            assert out_cut == out_full == refs[p][:MAX_NEW]
+        drafter = cut._make_drafter()  # the cut happens: the random head is never 5% sure of a path
+        g = torch.Generator().manual_seed(0)
+        drafter.prefill(torch.randn(1, 9, random_draft.fc.in_features, generator=g), torch.randint(0, 50, (9,)))
+        assert len(drafter.propose(5)) < cut.cfg.num_draft_tokens
+    with pytest.raises(ValueError, match="min_draft_prob"):
+        SpecConfig(min_draft_prob=1.0)

@@ -17,12 +17,19 @@ class SpecConfig:
     num_draft_tokens: int = 5
     # Sampling safety: probabilities below this are treated as 0 when renormalising residuals.
     min_residual_mass: float = 1e-12
+    # Adaptive draft size: a drafted node is verified only while the draft's cumulative probability
+    # of its path stays >= this (0 = always the full tree, as SGLang does). Verifying a token the head
+    # itself doubts costs a draft step and a wider verify for little expected gain; a step whose first
+    # node is doubted verifies the root alone (plain decoding). Output is unchanged: verification is.
+    min_draft_prob: float = 0.0
 
     def __post_init__(self):
         if self.num_steps < 0 or self.eagle_topk < 0 or self.num_draft_tokens < 1:
             raise ValueError(f"invalid speculative settings: {self}")
         if self.speculative and (self.num_steps < 1 or self.eagle_topk < 1):
             raise ValueError("a draft tree needs num_steps >= 1 and eagle_topk >= 1")
+        if not 0.0 <= self.min_draft_prob < 1.0:
+            raise ValueError(f"min_draft_prob must be in [0, 1), not {self.min_draft_prob}")
         if self.eagle_topk == 1 and self.num_draft_tokens > self.num_steps + 1:
             raise ValueError(f"a chain of {self.num_steps} steps holds at most "
                              f"{self.num_steps + 1} draft tokens, not {self.num_draft_tokens}")

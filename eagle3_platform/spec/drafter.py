@@ -16,6 +16,7 @@ Drafting (num_steps = d, eagle_topk = k):
 """
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import torch
@@ -81,21 +82,28 @@ class EagleDrafter:
             pool.entry_of.update({node: pool.n_entries + i for i, node in enumerate(frontier)})
             pool.n_entries += len(frontier)
             frontier, hidden = self._expand(pool, frontier, h, k)
-        return pool.to_tree(root, self.cfg.num_draft_tokens - 1, self.draft)
+        return pool.to_tree(root, self.cfg.num_draft_tokens - 1, self.draft, self.cfg.min_draft_prob)
 
     def _propose_chain(self, root: int) -> Tree:
         """topk = 1: the tree is a chain, so each draft entry sees the prefix and the entries before it
         (a causal mask) and no pool is needed. Same tokens as the tree code with k = 1 (argmax of the
-        logits = argmax of the log-probs; the first `num_draft_tokens - 1` steps are the best ones)."""
+        logits = argmax of the log-probs; the first `num_draft_tokens - 1` steps are the best ones),
+        cut where the path's draft probability falls below min_draft_prob."""
         d, n = self.draft, self.n
         steps = min(self.cfg.num_steps, self.cfg.num_draft_tokens - 1)
         h, past_k, past_v = self.h_last, self.k, self.v
-        picks = []
+        picks, path_logp = [], 0.0
         for step in range(1, steps + 1):
-            picks.append(d.logits(h)[0, -1].float().argmax())  # draft id of the depth-`step` node
+            logits = d.logits(h)[0, -1].float()  # [Vd]
+            pick = logits.argmax()  # draft id of the depth-`step` node
+            if self.cfg.min_draft_prob > 0:
+                path_logp += float(torch.log_softmax(logits, -1)[pick])
+                if path_logp < math.log(self.cfg.min_draft_prob):
+                    break
+            picks.append(pick)
             if step == steps:
                 break
-            ids = d.to_target_ids(picks[-1])[None, None]  # [1,1]
+            ids = d.to_target_ids(pick)[None, None]  # [1,1]
             h, (k, v) = d.backbone(d.embed(ids), h, torch.tensor([[n - 1 + step]]), None, (past_k, past_v))
             past_k, past_v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
         tokens = d.to_target_ids(torch.stack(picks)) if picks else torch.empty(0, dtype=torch.long)
@@ -158,9 +166,13 @@ class _Pool:
             p = self.parents[p]
         return out
 
-    def to_tree(self, root: int, budget: int, draft) -> Tree:
-        """Best `budget` nodes by cumulative log-prob (stable: ancestors win ties) + the root."""
+    def to_tree(self, root: int, budget: int, draft, min_prob: float = 0.0) -> Tree:
+        """Best `budget` nodes by cumulative log-prob (stable: ancestors win ties) + the root, without
+        nodes whose path probability is below min_prob (a child never scores above its parent, so
+        what is left is still closed under ancestors)."""
         order = torch.sort(self.scores, descending=True, stable=True).indices[:budget]
+        if min_prob > 0:
+            order = order[self.scores[order] >= math.log(min_prob)]
         keep = sorted(order.tolist())  # creation order: parents precede children
         index = {node: i + 1 for i, node in enumerate(keep)}  # pool node -> tree node (root = 0)
         parents = [-1] + [index[self.parents[n]] if self.parents[n] != -1 else 0 for n in keep]
