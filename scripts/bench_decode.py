@@ -25,6 +25,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -112,7 +113,10 @@ def build_methods(target, draft, args, refs: dict, bf16_target=None) -> dict:
     methods["engine_baseline"] = engine_method(base)
     if draft is not None:
         for name in args.spec:
-            methods[f"eagle3_{name}"] = engine_method(SpecEngine(target, draft, get_preset(name)))
+            cfg = get_preset(name)
+            if args.min_draft_prob is not None:
+                cfg = replace(cfg, min_draft_prob=args.min_draft_prob)
+            methods[f"eagle3_{name}"] = engine_method(SpecEngine(target, draft, cfg))
     if args.oracle:
         methods["oracle_chain"] = oracle_method(target, refs)
     return methods
@@ -252,6 +256,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared box)")
     ap.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32: every method runs in it")
     ap.add_argument("--spec", nargs="+", default=["chain", "tree"])
+    ap.add_argument("--min-draft-prob", type=float, default=None,
+                    help="adaptive draft size for the eagle3 rows (default: each spec preset's)")
     ap.add_argument("--prompt-lookup-tokens", type=int, default=10)
     ap.add_argument("--oracle", action="store_true", help="add the oracle_chain ceiling row")
     ap.add_argument("--out", default=None)
