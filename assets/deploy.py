@@ -33,7 +33,8 @@ def deployment(context: AssetExecutionContext, storage: StorageResource, target:
                serving: ServingResource, preset: PresetResource) -> MaterializeResult:
     export = storage.fetch_dir(Keys.EXPORT)
     log = storage.local_path("deployment/server.log")
-    handle = serving.launch(target.dir(), export, log_path=log, preset=preset.name)
+    handle = serving.launch(target.dir(), export, log_path=log, preset=preset.name,
+                            compute=preset.compute())
     try:
         checks = smoke(handle.url, handle.headers())
     finally:

@@ -6,29 +6,23 @@ from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, ass
 from assets.metadata import summary_metadata
 from assets.partitions import SPLITS, Keys, workload_partitions
 from assets.prompts import filtered_prompts
+from eagle3_platform.data.stages import RegenerateRequest
 from resources import ComputeResource, PresetResource, StorageResource, TargetResource
-from assets.responses_config import regen_config
 
 LOCAL_PATHS = ("uri", "out", "rejected_path")  # staging paths: gone after publishing, URIs reported instead
 
 
 def _regen_split(context, w: str, split: str, storage, target, preset, compute) -> dict:
-    from eagle3_platform.data.regenerate import regenerate_file
     from eagle3_platform.records import sha256_file
 
     kept = storage.fetch(Keys.kept(w, split))
-    tdir = target.dir()
     # Staging is keyed by the input's hash: a killed run resumes from its appended output; a changed
     # input starts fresh.
-    stage = storage.staging(Keys.conversations(w, split), sha256_file(kept) + preset.name)
+    stage = storage.staging(Keys.conversations(w, split), preset.staging_key(sha256_file(kept)))
     out, rej = stage / "conversations.jsonl", stage / "rejected.jsonl"
-    cfg = regen_config(preset, target)
-    args = ["regenerate", "--target", str(tdir), "--in", str(kept), "--out", str(out), "--rejected",
-            str(rej), "--preset", preset.name, "--max-length", str(cfg.max_length)]
-    args += ["--endpoint", target.endpoint] if target.endpoint else []
-    summary = compute.run(
-        context, lambda: regenerate_file(tdir, kept, out, cfg, endpoint=target.endpoint, rejected_path=rej),
-        args)
+    summary = compute.run(context, RegenerateRequest(
+        target=str(target.dir()), in_path=str(kept), out=str(out), rejected=str(rej), preset=preset.name,
+        max_length=target.max_length, endpoint=target.endpoint, **preset.compute()))
     if summary["written"] + summary["rejected"] != summary["read"]:
         raise RuntimeError(f"{w}/{split}: written + rejected != read: {summary}")
     summary["uri"] = storage.publish_from(out, Keys.conversations(w, split))

@@ -57,12 +57,18 @@ def test_environment_selection(monkeypatch):
 
 
 def test_preset_resource_reads_area_configs():
-    from resources.preset import area_config
+    from eagle3_platform.config import preset
+    from resources import PresetResource
 
-    assert area_config("tiny", "sources").limit is not None
-    assert area_config("tiny", "train").draft_vocab_size > 0
+    tiny = PresetResource(name="tiny")
+    assert tiny.area("sources") is preset("tiny").sources and tiny.area("sources").limit is not None
+    assert tiny.area("train").draft_vocab_size > 0
+    assert tiny.compute() == {} and tiny.identity() == "tiny"
+    bf16 = PresetResource(name="tiny", dtype="bfloat16", torch_threads=1)
+    assert bf16.compute() == {"dtype": "bfloat16", "torch_threads": 1}
+    assert bf16.staging_key("abc") != tiny.staging_key("abc")  # other settings: a fresh staging dir
     with pytest.raises(ValueError, match="unknown preset"):
-        area_config("huge", "train")
+        PresetResource(name="huge").area("train")
 
 
 @pytest.mark.integration
