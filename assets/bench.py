@@ -39,7 +39,7 @@ def bench_args(cfg, url: str, baseline: str, prompts, out, duration_s: int | Non
             "--max-tokens", str(cfg.max_tokens)]
 
 
-@asset(deps=[deployment], group_name="serving", kinds={"locust"}, code_version="1")
+@asset(deps=[deployment], group_name="serving", kinds={"locust"})
 def benchmark_report(context: AssetExecutionContext, storage: StorageResource, target: TargetResource,
                      serving: ServingResource, preset: PresetResource) -> MaterializeResult:
     export = storage.fetch_dir(Keys.EXPORT)

@@ -28,7 +28,7 @@ def smoke(url: str, headers: dict) -> dict:
             "server_info": info}
 
 
-@asset(deps=[draft_head], group_name="serving", kinds={"fastapi"}, code_version="1")
+@asset(deps=[draft_head], group_name="serving", kinds={"fastapi"})
 def deployment(context: AssetExecutionContext, storage: StorageResource, target: TargetResource,
                serving: ServingResource, preset: PresetResource) -> MaterializeResult:
     export = storage.fetch_dir(Keys.EXPORT)

@@ -26,7 +26,7 @@ def inputs_hash(*paths) -> str:
     return h.hexdigest()
 
 
-@asset(deps=[feature_shards], group_name="draft", kinds={"pytorch", "safetensors"}, code_version="1")
+@asset(deps=[feature_shards], group_name="draft", kinds={"pytorch", "safetensors"})
 def draft_vocab(context: AssetExecutionContext, storage: StorageResource, target: TargetResource,
                 preset: PresetResource, compute: ComputeResource) -> MaterializeResult:
     """The Vd most frequent loss-masked response tokens over all workloads (d2t/t2d)."""
@@ -43,8 +43,7 @@ def draft_vocab(context: AssetExecutionContext, storage: StorageResource, target
         **summary_metadata({k: v for k, v in summary.items() if k not in ("vocab", "stats")})})
 
 
-@asset(deps=[draft_vocab, feature_shards], group_name="draft", kinds={"pytorch", "safetensors"},
-       code_version="1")
+@asset(deps=[draft_vocab, feature_shards], group_name="draft", kinds={"pytorch", "safetensors"})
 def draft_head(context: AssetExecutionContext, storage: StorageResource, target: TargetResource,
                preset: PresetResource, compute: ComputeResource) -> MaterializeResult:
     """TTT-trained EAGLE-3 head, scored on held-out features, exported for SGLang."""

@@ -8,6 +8,7 @@ from dagster import (AssetCheckResult, AssetCheckSpec, AssetExecutionContext, Ma
 
 from assets.metadata import summary_metadata
 from assets.partitions import SPLITS, Keys, workload_partitions
+from assets.sensors import REBUILD_WHEN_UPSTREAM_CHANGED
 from assets.responses import target_responses
 from eagle3_platform.features.stages import ExtractRequest
 from resources import ComputeResource, PresetResource, StorageResource, TargetResource
@@ -64,8 +65,9 @@ def verify_stored(storage: StorageResource, target: TargetResource, w: str) -> A
         "first_problems": MetadataValue.md("\n".join(f"- {b}" for b in bad[:20]) or "none")})
 
 
-@asset(partitions_def=workload_partitions, deps=[target_responses], group_name="features",
-       kinds={"pytorch", "safetensors"}, code_version="1",
+@asset(partitions_def=workload_partitions, automation_condition=REBUILD_WHEN_UPSTREAM_CHANGED,
+       deps=[target_responses], group_name="features",
+       kinds={"pytorch", "safetensors"},
        check_specs=[AssetCheckSpec("shards_verify", asset="feature_shards", blocking=True,
                                    description="stored shards match the manifest sha256 + this target")])
 def feature_shards(context: AssetExecutionContext, storage: StorageResource, target: TargetResource,

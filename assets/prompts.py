@@ -6,6 +6,7 @@ from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, ass
 
 from assets.metadata import md_table
 from assets.partitions import SPLITS, Keys, workload_partitions
+from assets.sensors import REBUILD_WHEN_UPSTREAM_CHANGED
 from assets.sources import workload_sources
 from eagle3_platform.data.stages import FilterRequest, SourcesRequest
 from resources import ComputeResource, PresetResource, StorageResource, TargetResource
@@ -30,8 +31,9 @@ def _filter_split(context, w: str, split: str, storage, target, preset, compute)
     return summary
 
 
-@asset(partitions_def=workload_partitions, deps=[workload_sources], group_name="data",
-       kinds={"python", "jsonl"}, code_version="1")
+@asset(partitions_def=workload_partitions, automation_condition=REBUILD_WHEN_UPSTREAM_CHANGED,
+       deps=[workload_sources], group_name="data",
+       kinds={"python", "jsonl"})
 def filtered_prompts(context: AssetExecutionContext, storage: StorageResource, target: TargetResource,
                      preset: PresetResource, compute: ComputeResource) -> MaterializeResult:
     """Prompt records (kept) + rejection records with reasons; kept + rejected == read."""
