@@ -93,6 +93,13 @@ def test_preset_resource_reads_area_configs():
         PresetResource(name="huge").area("train")
 
 
+def test_every_preset_has_an_acceptance_gate():
+    from assets.checks import GATES
+    from eagle3_platform.config import PRESET_NAMES
+
+    assert set(GATES) == set(PRESET_NAMES)  # `eagle3 run --preset cpu` used to fail its check (KeyError)
+
+
 @pytest.mark.integration
 def test_dagster_definitions_validate_cli(tmp_path):
     from resources.instance import ensure_dagster_home
