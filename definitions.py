@@ -1,7 +1,8 @@
 """The one place that assembles the Dagster `Definitions` (loaded by workspace.yaml).
 
 Environment selection (local disk vs GCS, preset, target) happens in `resources.build_resources`
-from EAGLE3_ENV / EAGLE3_PRESET / EAGLE3_TARGET."""
+from EAGLE3_ENV / EAGLE3_PRESET / EAGLE3_TARGET; each asset's code version is derived from its code and
+the settings those resources resolve to (assets/versions.py), so the UI shows what is stale."""
 from __future__ import annotations
 
 import os
@@ -9,6 +10,7 @@ import os
 from dagster import Definitions
 
 from assets import ALL_ASSETS, ALL_CHECKS, ALL_JOBS, ALL_SENSORS
+from assets.versions import with_code_versions
 from resources import build_resources
 
 os.environ.setdefault("TLDEXTRACT_PUBLIC_SUFFIX_LIST_URLS", "")  # presidio: never reach the network
@@ -16,8 +18,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def build_definitions(**resource_overrides) -> Definitions:
-    return Definitions(assets=ALL_ASSETS, asset_checks=ALL_CHECKS, jobs=ALL_JOBS, sensors=ALL_SENSORS,
-                       resources=build_resources(**resource_overrides))
+    resources = build_resources(**resource_overrides)
+    assets = with_code_versions(ALL_ASSETS, resources["preset"], resources["target"])
+    return Definitions(assets=assets, asset_checks=ALL_CHECKS, jobs=ALL_JOBS, sensors=ALL_SENSORS,
+                       resources=resources)
 
 
 defs = build_definitions()

@@ -14,7 +14,6 @@ from assets.deploy import deployment
 from assets.metadata import summary_metadata
 from assets.partitions import Keys, workload_partitions
 from resources import PresetResource, ServingResource, StorageResource, TargetResource
-from resources.preset import cfg_get
 from resources.storage import PROJECT_ROOT
 
 
@@ -34,16 +33,13 @@ def heldout_prompts(storage: StorageResource, out) -> dict:
 
 
 def bench_args(cfg, url: str, baseline: str, prompts, out, duration_s: int | None = None) -> list[str]:
-    args = ["bench", "--url", url, "--baseline-url", baseline, "--prompts", str(prompts), "--out", str(out)]
-    for field, flag in (("concurrency", "--concurrency"), ("duration_s", "--duration"),
-                        ("max_tokens", "--max-tokens")):
-        v = duration_s if field == "duration_s" and duration_s else cfg_get(cfg, field)
-        if v is not None:
-            args += [flag, ",".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)]
-    return args
+    """`eagle3 bench` argv from the preset's BenchConfig (duration_s, when given, overrides it)."""
+    return ["bench", "--url", url, "--baseline-url", baseline, "--prompts", str(prompts), "--out", str(out),
+            "--concurrency", ",".join(map(str, cfg.concurrency)), "--duration", str(duration_s or cfg.duration_s),
+            "--max-tokens", str(cfg.max_tokens)]
 
 
-@asset(deps=[deployment], group_name="serving", kinds={"locust"}, code_version="1")
+@asset(deps=[deployment], group_name="serving", kinds={"locust"})
 def benchmark_report(context: AssetExecutionContext, storage: StorageResource, target: TargetResource,
                      serving: ServingResource, preset: PresetResource) -> MaterializeResult:
     export = storage.fetch_dir(Keys.EXPORT)
@@ -51,9 +47,10 @@ def benchmark_report(context: AssetExecutionContext, storage: StorageResource, t
     counts = heldout_prompts(storage, out / "prompts.jsonl")
     tdir = target.dir()
     base = serving.launch(tdir, None, log_path=out / "baseline.log", preset=preset.name,
-                          port=serving.baseline_port)
+                          port=serving.baseline_port, compute=preset.compute())
     try:
-        spec = serving.launch(tdir, export, log_path=out / "eagle3.log", preset=preset.name)
+        spec = serving.launch(tdir, export, log_path=out / "eagle3.log", preset=preset.name,
+                              compute=preset.compute())
         try:
             args = bench_args(preset.area("bench"), spec.url, base.url, out / "prompts.jsonl",
                               out / "report", serving.bench_duration_s)

@@ -17,6 +17,7 @@ class AcceptanceGate:
 GATES: dict[str, AcceptanceGate] = {
     "tiny": AcceptanceGate(1.0),  # random tiny target: only asserts the metric exists and is sane
     "demo": AcceptanceGate(1.2),  # a few minutes of CPU training must beat "never accepted" (1.0)
+    "cpu": AcceptanceGate(1.2),  # two hours of CPU training: at least the demo's bar
     "full": AcceptanceGate(2.0),
 }
 

@@ -28,12 +28,13 @@ def smoke(url: str, headers: dict) -> dict:
             "server_info": info}
 
 
-@asset(deps=[draft_head], group_name="serving", kinds={"fastapi"}, code_version="1")
+@asset(deps=[draft_head], group_name="serving", kinds={"fastapi"})
 def deployment(context: AssetExecutionContext, storage: StorageResource, target: TargetResource,
                serving: ServingResource, preset: PresetResource) -> MaterializeResult:
     export = storage.fetch_dir(Keys.EXPORT)
     log = storage.local_path("deployment/server.log")
-    handle = serving.launch(target.dir(), export, log_path=log, preset=preset.name)
+    handle = serving.launch(target.dir(), export, log_path=log, preset=preset.name,
+                            compute=preset.compute())
     try:
         checks = smoke(handle.url, handle.headers())
     finally:

@@ -4,9 +4,10 @@ import hashlib
 
 from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
 
-from assets.features import expect_header, feature_shards, features_for
+from assets.features import feature_shards, features_for
 from assets.metadata import summary_metadata
 from assets.partitions import Keys
+from eagle3_platform.draft.stages import ExportRequest, TrainRequest, VocabRequest
 from resources import ComputeResource, PresetResource, StorageResource, TargetResource
 
 VOCAB_FILE = "vocab.safetensors"
@@ -17,63 +18,45 @@ def fetch_features(storage: StorageResource, target: TargetResource, split: str,
     return [storage.fetch_dir(Keys.features(w, split)) for w in features_for(storage, target, split, log)]
 
 
-def inputs_hash(*paths, extra: str = "") -> str:
-    """Identity of a training input set: the manifests (they hold every shard's sha256) + extras."""
-    h = hashlib.sha256(extra.encode())
+def inputs_hash(*paths) -> str:
+    """Identity of a training input set: the manifests (they hold every shard's sha256) + the vocab."""
+    h = hashlib.sha256()
     for p in paths:
         h.update(p.read_bytes() if p.is_file() else (p / "manifest.parquet").read_bytes())
     return h.hexdigest()
 
 
-@asset(deps=[feature_shards], group_name="draft", kinds={"pytorch", "safetensors"}, code_version="1")
+@asset(deps=[feature_shards], group_name="draft", kinds={"pytorch", "safetensors"})
 def draft_vocab(context: AssetExecutionContext, storage: StorageResource, target: TargetResource,
                 preset: PresetResource, compute: ComputeResource) -> MaterializeResult:
     """The Vd most frequent loss-masked response tokens over all workloads (d2t/t2d)."""
-    from eagle3_platform.draft.vocab import save_vocab, vocab_from_features
-
     dirs = fetch_features(storage, target, "train", context.log)
     if not dirs:
         raise FileNotFoundError("no feature shards in storage: materialize feature_shards first")
-    V = target.meta()["vocab_size"]
-    vd = min(preset.area("train").draft_vocab_size, V)
     out = storage.staging(Keys.VOCAB, context.run_id) / VOCAB_FILE
-
-    def build() -> dict:
-        d2t, t2d, stats = vocab_from_features(dirs, V, vd, expect_header(target))
-        return save_vocab(out, d2t, t2d, stats)
-
-    summary = compute.run(context, build, ["vocab", "--features", ",".join(map(str, dirs)), "--target",
-                                           str(target.dir()), "--out", str(out),
-                                           "--draft-vocab-size", str(vd)])
+    summary = compute.run(context, VocabRequest(features=[str(d) for d in dirs], target=str(target.dir()),
+                                                out=str(out), preset=preset.name))
     uri = storage.publish_from(out.parent, Keys.VOCAB)
     return MaterializeResult(metadata={
         "workloads": ", ".join(features_for(storage, target, "train")), "vocab_uri": MetadataValue.path(uri),
-        "draft_vocab_size": vd, "target_vocab_size": V, **target.lineage(),
+        "target_vocab_size": summary["vocab_size"], **target.lineage(),
         **summary_metadata({k: v for k, v in summary.items() if k not in ("vocab", "stats")})})
 
 
-@asset(deps=[draft_vocab, feature_shards], group_name="draft", kinds={"pytorch", "safetensors"},
-       code_version="1")
+@asset(deps=[draft_vocab, feature_shards], group_name="draft", kinds={"pytorch", "safetensors"})
 def draft_head(context: AssetExecutionContext, storage: StorageResource, target: TargetResource,
                preset: PresetResource, compute: ComputeResource) -> MaterializeResult:
     """TTT-trained EAGLE-3 head, scored on held-out features, exported for SGLang."""
-    from eagle3_platform.draft.export import export_draft
-    from eagle3_platform.draft.train import train
-
     dirs = fetch_features(storage, target, "train", context.log)
     eval_dirs = fetch_features(storage, target, "eval", context.log)
     vocab = storage.fetch(f"{Keys.VOCAB}/{VOCAB_FILE}")
-    tdir, cfg = target.dir(), preset.area("train")
     # Same inputs + preset → same staging dir, so a killed training resumes from its checkpoint.
-    ckpt = storage.staging(Keys.DRAFT, inputs_hash(vocab, *dirs, *eval_dirs, extra=preset.name))
-    summary = compute.run(
-        context, lambda: train(tdir, dirs, ckpt, cfg, resume=True, eval_dirs=eval_dirs, vocab_path=vocab),
-        ["train", "--target", str(tdir), "--features", ",".join(map(str, dirs)), "--out", str(ckpt),
-         "--preset", preset.name, "--eval-features", ",".join(map(str, eval_dirs)),
-         "--vocab", str(vocab), "--resume"])
+    ckpt = storage.staging(Keys.DRAFT, preset.staging_key(inputs_hash(vocab, *dirs, *eval_dirs)))
+    summary = compute.run(context, TrainRequest(
+        target=str(target.dir()), features=[str(d) for d in dirs], out=str(ckpt), preset=preset.name,
+        eval_features=[str(d) for d in eval_dirs], vocab=str(vocab), resume=True, **preset.compute()))
     exp = storage.staging(Keys.EXPORT, context.run_id)
-    exported = compute.run(context, lambda: export_draft(ckpt, exp),
-                           ["export", "--draft", str(ckpt), "--out", str(exp)])
+    exported = compute.run(context, ExportRequest(draft=str(ckpt), out=str(exp)))
     export_uri = storage.publish_from(exp, Keys.EXPORT)
     ckpt_uri = storage.publish_from(ckpt, Keys.DRAFT)
     heldout = summary.get("eval_simulated_acceptance")  # absent when no eval split has features

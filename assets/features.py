@@ -8,30 +8,23 @@ from dagster import (AssetCheckResult, AssetCheckSpec, AssetExecutionContext, Ma
 
 from assets.metadata import summary_metadata
 from assets.partitions import SPLITS, Keys, workload_partitions
+from assets.sensors import REBUILD_WHEN_UPSTREAM_CHANGED
 from assets.responses import target_responses
+from eagle3_platform.features.stages import ExtractRequest
 from resources import ComputeResource, PresetResource, StorageResource, TargetResource
-from resources.preset import with_overrides
-
 
 TARGET_SIDECAR = "target.json"
 LOCAL_KEYS = ("uri", "out", "manifest", "header")  # staging paths / header reported separately
 
 
-def features_config(preset: PresetResource, target: TargetResource):
-    return with_overrides(preset.area("features"), max_length=target.max_length)
-
-
 def _extract_split(context, w: str, split: str, storage, target, preset, compute) -> dict:
-    from eagle3_platform.features.extract import extract_file
     from eagle3_platform.records import sha256_file
 
     conv = storage.fetch(Keys.conversations(w, split))
-    tdir = target.dir()
-    out = storage.staging(Keys.features(w, split), sha256_file(conv) + preset.name)  # resumable per input
-    cfg = features_config(preset, target)
-    summary = compute.run(context, lambda: extract_file(tdir, conv, out, cfg),
-                          ["extract", "--target", str(tdir), "--in", str(conv), "--out", str(out),
-                           "--preset", preset.name, "--max-length", str(cfg.max_length)])
+    out = storage.staging(Keys.features(w, split), preset.staging_key(sha256_file(conv)))  # resumable per input
+    summary = compute.run(context, ExtractRequest(target=str(target.dir()), in_path=str(conv), out=str(out),
+                                                  preset=preset.name, max_length=target.max_length,
+                                                  **preset.compute()))
     # Sidecar naming the target these features belong to: consumers pick matching partitions cheaply.
     (out / TARGET_SIDECAR).write_text(json.dumps(expect_header(target)))
     summary["uri"] = storage.publish_from(out, Keys.features(w, split))
@@ -40,9 +33,9 @@ def _extract_split(context, w: str, split: str, storage, target, preset, compute
 
 def expect_header(target: TargetResource) -> dict:
     """The shard header fields that tie features to one target."""
-    m = target.meta()
-    return {"target_id": m["target_id"], "weights_hash": m["weights_hash"],
-            "capture_layer_ids": m["capture_layer_ids"]}
+    from eagle3_platform.target import identity
+
+    return identity(target.dir())
 
 
 def features_for(storage: StorageResource, target: TargetResource, split: str, log=None) -> list[str]:
@@ -72,8 +65,9 @@ def verify_stored(storage: StorageResource, target: TargetResource, w: str) -> A
         "first_problems": MetadataValue.md("\n".join(f"- {b}" for b in bad[:20]) or "none")})
 
 
-@asset(partitions_def=workload_partitions, deps=[target_responses], group_name="features",
-       kinds={"pytorch", "safetensors"}, code_version="1",
+@asset(partitions_def=workload_partitions, automation_condition=REBUILD_WHEN_UPSTREAM_CHANGED,
+       deps=[target_responses], group_name="features",
+       kinds={"pytorch", "safetensors"},
        check_specs=[AssetCheckSpec("shards_verify", asset="feature_shards", blocking=True,
                                    description="stored shards match the manifest sha256 + this target")])
 def feature_shards(context: AssetExecutionContext, storage: StorageResource, target: TargetResource,

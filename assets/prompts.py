@@ -6,36 +6,23 @@ from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, ass
 
 from assets.metadata import md_table
 from assets.partitions import SPLITS, Keys, workload_partitions
+from assets.sensors import REBUILD_WHEN_UPSTREAM_CHANGED
 from assets.sources import workload_sources
+from eagle3_platform.data.stages import FilterRequest, SourcesRequest
 from resources import ComputeResource, PresetResource, StorageResource, TargetResource
-from assets.responses_config import regen_config
 
 POLICY = "drop"  # PII policy for training data: drop the record (redact keeps a [REDACTED] prompt)
 
 
 def _filter_split(context, w: str, split: str, storage, target, preset, compute) -> dict:
-    from eagle3_platform.data.filter import filter_file
-    from eagle3_platform.data.regenerate import load_tokenizer
-    from eagle3_platform.data.sources import eval_keys, write_workload
-
-    src_cfg, flt_cfg, regen = preset.area("sources"), preset.area("filter"), regen_config(preset, target)
-    limit = src_cfg.limit if split == "train" else src_cfg.eval_limit
-    max_tokens = regen.max_length - regen.max_new_tokens  # room left for the answer (as `eagle3 filter`)
     stage = storage.staging(Keys.kept(w, split), context.run_id)
     raw, kept, rej = stage / "raw.jsonl", stage / "kept.jsonl", stage / "rejected.jsonl"
-    tdir = target.dir()
-    compute.run(context, lambda: write_workload(w, raw, split=split, limit=limit, cfg=src_cfg),
-                ["sources", "--workload", w, "--split", split, "--out", str(raw), "--preset", preset.name]
-                + (["--limit", str(limit)] if limit is not None else []))
-    # The eval table is filtered for PII too, but never decontaminated against itself.
-    keys = eval_keys() if split == "train" else None
-    summary = compute.run(
-        context,
-        lambda: filter_file(raw, kept, rej, policy=POLICY, max_tokens=max_tokens,
-                            tokenizer=load_tokenizer(tdir), eval_keys=keys, cfg=flt_cfg),
-        ["filter", "--in", str(raw), "--out", str(kept), "--rejected", str(rej), "--policy", POLICY,
-         "--target", str(tdir), "--max-tokens", str(max_tokens)]
-        + (["--no-decontaminate"] if keys is None else []))
+    compute.run(context, SourcesRequest(workload=w, split=split, out=str(raw), preset=preset.name))
+    # The eval table is filtered for PII too, but never decontaminated against itself. Prompts must leave
+    # room for the answer in the regeneration budget (the target resource may override max_length).
+    summary = compute.run(context, FilterRequest(
+        in_path=str(raw), out=str(kept), rejected=str(rej), policy=POLICY, target=str(target.dir()),
+        max_length=target.max_length, decontaminate=split == "train", preset=preset.name))
     raw.unlink(missing_ok=True)  # raw source text may hold PII: never stored
     if summary["kept"] + summary["rejected"] != summary["read"]:
         raise RuntimeError(f"{w}/{split}: kept + rejected != read: {summary}")
@@ -44,8 +31,9 @@ def _filter_split(context, w: str, split: str, storage, target, preset, compute)
     return summary
 
 
-@asset(partitions_def=workload_partitions, deps=[workload_sources], group_name="data",
-       kinds={"python", "jsonl"}, code_version="1")
+@asset(partitions_def=workload_partitions, automation_condition=REBUILD_WHEN_UPSTREAM_CHANGED,
+       deps=[workload_sources], group_name="data",
+       kinds={"python", "jsonl"})
 def filtered_prompts(context: AssetExecutionContext, storage: StorageResource, target: TargetResource,
                      preset: PresetResource, compute: ComputeResource) -> MaterializeResult:
     """Prompt records (kept) + rejection records with reasons; kept + rejected == read."""

@@ -1,24 +1,29 @@
 """Automation.
 
-`workload_sources_sensor`: observes `workload_sources` (content hash per workload), records each new
-data version as an observation, and re-materializes exactly the changed partitions downstream
-(prompts → responses → features).
+Declarative, where a condition expresses it: `workload_sources` is observed on a cron tick (its data
+version per partition is the content hash of that workload's source files), and a partitioned asset
+re-materializes a partition when what it was built from changed (a new source data version, or a
+rebuilt upstream partition): the changed partition and everything downstream of it, nothing else.
+Partitions never built are not built by automation: observing a source is not a reason to build.
 
-`draft_retrain_sensor`: retrains the head when feature shards changed, with a cooldown: it waits
-until no run or backfill touching the partitioned assets is in flight and the newest feature
-materialization is at least `quiet_s` old, so a five-partition backfill retrains once.
+`draft_retrain_sensor` (a sensor, because a condition cannot wait for quiet): retrains the head when
+feature shards changed, with a cooldown: it waits until no run or backfill touching the partitioned
+assets is in flight and the newest feature materialization is at least `quiet_s` old, so a
+five-partition backfill retrains once.
 """
 
-import json
 import time
 from dataclasses import dataclass
 
-from dagster import (AssetKey, AssetObservation, DagsterRunStatus, DefaultSensorStatus, RunRequest,
+from dagster import (AssetKey, AutomationCondition, DagsterRunStatus, DefaultSensorStatus, RunRequest,
                      RunsFilter, SensorEvaluationContext, SensorResult, SkipReason, sensor)
 
-from assets.jobs import PARTITIONED, draft_job, workload_job
+from assets.jobs import PARTITIONED, draft_job
 
-DATA_VERSION_TAG = "dagster/data_version"
+OBSERVE_SOURCES = AutomationCondition.cron_tick_passed("*/5 * * * *") & ~AutomationCondition.in_progress()
+# eager(): upstream updated since last handled, none of it missing or in progress; minus never-built partitions.
+REBUILD_WHEN_UPSTREAM_CHANGED = (AutomationCondition.eager() & ~AutomationCondition.missing()).with_label(
+    "rebuild when upstream changed")
 
 
 @dataclass(frozen=True)
@@ -32,48 +37,14 @@ IN_FLIGHT = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunSt
              DagsterRunStatus.STARTED]
 
 
-def _materialized_fingerprint(instance, workload: str) -> str | None:
-    """The source fingerprint the latest filtered_prompts materialization of a partition was built from."""
-    from dagster import AssetRecordsFilter
-
-    recs = instance.fetch_materializations(
-        AssetRecordsFilter(asset_key=AssetKey("filtered_prompts"), asset_partitions=[workload]), limit=1)
-    if not recs.records:
-        return None
-    meta = recs.records[0].asset_materialization.metadata
-    v = meta.get("source_fingerprint")
-    return getattr(v, "value", v)
-
-
-@sensor(job=workload_job, minimum_interval_seconds=60, default_status=DefaultSensorStatus.STOPPED,
-        description="Re-materialize a workload partition (and downstream) when its sources change.")
-def workload_sources_sensor(context: SensorEvaluationContext) -> SensorResult:
-    from assets.sources import fingerprints
-
-    seen = json.loads(context.cursor) if context.cursor else {}
-    current = fingerprints()
-    requests, events = [], []
-    for w, fp in current.items():
-        before = seen.get(w) or _materialized_fingerprint(context.instance, w)
-        if before != fp:
-            events.append(AssetObservation("workload_sources", partition=w, tags={DATA_VERSION_TAG: fp}))
-        if before is not None and before != fp:  # first sight of a never-built partition: no run
-            requests.append(RunRequest(run_key=f"{w}:{fp[:16]}", partition_key=w,
-                                       tags={"eagle3/trigger": "source_change"}))
-            context.log.info(f"{w}: source fingerprint {before[:12]} → {fp[:12]}; re-materializing")
-    return SensorResult(run_requests=requests, asset_events=events, cursor=json.dumps(current),
-                        skip_reason=None if requests else SkipReason("no source changed"))
-
-
 def _partitioned_work_in_flight(instance) -> bool:
-    from dagster._core.execution.backfill import BulkActionStatus
-
     keys = {AssetKey(k) for k in PARTITIONED}
     for run in instance.get_runs(filters=RunsFilter(statuses=IN_FLIGHT)):
         if run.asset_selection is None or keys & set(run.asset_selection):
             return True
-    return any(keys & set(b.asset_selection or ())
-               for b in instance.get_backfills(status=BulkActionStatus.REQUESTED))
+    # a requested backfill may not have launched its runs yet (its status by value: no private import)
+    return any(keys & set(b.asset_selection or ()) for b in instance.get_backfills()
+               if b.status.value == "REQUESTED")
 
 
 @sensor(job=draft_job, minimum_interval_seconds=RETRAIN.interval_s,

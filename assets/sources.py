@@ -1,11 +1,14 @@
 """`workload_sources`: the observable source. Its data version per workload partition is the content
-hash of the package files backing that workload, so observing it is how source changes are detected."""
+hash of the package files backing that workload, so observing it is how source changes are detected.
+This observation function is the one place the observation is emitted (automation observes it on a
+cron tick; `eagle3 run` runs the `observe_workload_sources` job)."""
 
 import warnings
 
 from dagster import BetaWarning, DataVersion, DataVersionsByPartition, observable_source_asset
 
 from assets.partitions import workload_partitions
+from assets.sensors import OBSERVE_SOURCES
 
 
 def fingerprints(workloads=None) -> dict[str, str]:
@@ -19,6 +22,7 @@ warnings.filterwarnings("ignore", category=BetaWarning, message=".*observable_so
 
 
 @observable_source_asset(partitions_def=workload_partitions, group_name="sources",
+                         automation_condition=OBSERVE_SOURCES,
                          tags={"dagster/kind/python": ""},
                          description="Workload prompt sources (PyPI data packages + EAGLE3_EXTRA_SOURCES).")
 def workload_sources(context) -> DataVersionsByPartition:

@@ -1,7 +1,9 @@
-"""`eagle3`: every stage runs standalone (and as a Dagster Pipes worker).
+"""`eagle3`: every stage runs standalone (the same requests run as Dagster Pipes workers).
 
-Each area registers its own subcommands (`add_commands(subparsers)` in its `cli.py`), so this module
-only assembles them. Every command's last line of output is a one-line JSON summary.
+Each area registers its own subcommands (`add_commands(subparsers)` in its `cli.py`), which only turn
+argv into the stage's request (eagle3_platform.stage); this module assembles them and owns the
+contract: the last line a command prints is a one-line JSON summary, and bad input is a one-line
+error with exit code 2, never a traceback.
 """
 from __future__ import annotations
 
@@ -10,8 +12,9 @@ import importlib
 import json
 import sys
 
+from pydantic import ValidationError
+
 AREAS = (
-    "eagle3_platform.target_cli",
     "eagle3_platform.data.cli",
     "eagle3_platform.features.cli",
     "eagle3_platform.draft.cli",
@@ -22,17 +25,27 @@ AREAS = (
 )
 
 
+def add_prepare_target(sub) -> None:
+    p = sub.add_parser("prepare-target", help="convert/cache the target as a plain HF checkpoint")
+    p.add_argument("--model", required=True, help="smollm2-135m-instruct | tiny-random | PATH")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=prepare_target)
+
+
+def prepare_target(a) -> dict:
+    from eagle3_platform.cli_args import output_dir
+    from eagle3_platform.target import prepare_target
+
+    output_dir(a.out)
+    return {"out": a.out, **prepare_target(a.model, a.out)}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle3", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    add_prepare_target(sub)
     for name in AREAS:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name != name:  # a real missing dependency, not an area not built yet
-                raise
-            continue
-        module.add_commands(sub)
+        importlib.import_module(name).add_commands(sub)
     return parser
 
 
@@ -46,8 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = args.func(args)
     except (ValueError, OSError) as e:  # bad input, failed stage, the file system's refusals: one line
-        print(f"eagle3 {args.command}: error: {e}", file=sys.stderr)
-        emit_summary({"ok": False, "error": str(e)})
+        from eagle3_platform.stage import describe
+
+        msg = describe(e) if isinstance(e, ValidationError) else str(e)
+        print(f"eagle3 {args.command}: error: {msg}", file=sys.stderr)
+        emit_summary({"ok": False, "error": msg})
         return 2
     emit_summary({"ok": True, **(summary or {})})
     return 0

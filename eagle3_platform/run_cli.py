@@ -1,6 +1,6 @@
 """`eagle3 run`: the whole graph through Dagster. Runs `python -m pipeline` (which lives beside the
-Dagster definitions) as a child process and streams its output; this library module never imports
-Dagster itself."""
+Dagster definitions and materializes what is missing or stale) as a child process and streams its
+output; this library module never imports Dagster itself."""
 from __future__ import annotations
 
 import json
@@ -15,23 +15,25 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 def add_commands(sub) -> None:
     p = sub.add_parser("run", help="run the whole graph (prompts → … → benchmark report) through Dagster")
-    from eagle3_platform.config import PRESET_NAMES
+    from eagle3_platform.config import DEFAULT_PRESET, PRESET_NAMES
 
-    p.add_argument("--preset", default="demo", choices=PRESET_NAMES)
+    p.add_argument("--preset", default=DEFAULT_PRESET, choices=PRESET_NAMES)
     p.add_argument("--target", default=None, help="smollm2-135m-instruct | tiny-random | PATH")
     p.add_argument("--workloads", default=None, help="comma-separated partitions (default: all)")
     p.add_argument("--through", default=None, help="last asset to materialize (default: benchmark_report)")
     p.add_argument("--env", default=None, choices=["local", "gcp"])
     p.add_argument("--data-dir", default=None)
     p.add_argument("--dagster-home", default=None)
-    p.add_argument("--force", action="store_true")
+    p.add_argument("--dtype", default=None, help="auto | bfloat16 | float32: overrides every stage's preset dtype")
+    p.add_argument("--threads", type=int, default=None, help="torch threads of every stage (0 = every core)")
+    p.add_argument("--force", action="store_true", help="rebuild what is neither missing nor stale")
     p.set_defaults(func=run)
 
 
 def pipeline_command(a) -> list[str]:
     cmd = [sys.executable, "-m", "pipeline", "--preset", a.preset]
-    for flag in ("target", "workloads", "through", "env", "data_dir", "dagster_home"):
-        if getattr(a, flag, None):
+    for flag in ("target", "workloads", "through", "env", "data_dir", "dagster_home", "dtype", "threads"):
+        if getattr(a, flag, None) is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(a, flag))]
     return cmd + (["--force"] if a.force else [])
 

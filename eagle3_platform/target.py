@@ -90,6 +90,12 @@ def read_meta(path: str | Path) -> dict:
     return json.loads((Path(path) / META_FILE).read_text())
 
 
+def identity(path: str | Path) -> dict:
+    """The fields that tie features to one prepared target (shard headers, sidecars, vocab checks)."""
+    meta = read_meta(path)
+    return {k: meta[k] for k in ("target_id", "weights_hash", "capture_layer_ids")}
+
+
 def load_target(path: str | Path, dtype: str = "float32", device: str = "cpu") -> Target:
     """dtype: 'auto' | 'bfloat16' | 'float32' (compute.resolve_dtype); recorded in meta['dtype']."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

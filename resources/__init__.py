@@ -3,14 +3,16 @@
 EAGLE3_ENV=local (default): artifacts under the project data dir (EAGLE3_DATA_DIR overrides).
 EAGLE3_ENV=gcp: artifacts in GCS (EAGLE3_GCS_BUCKET, EAGLE3_GCS_PREFIX, EAGLE3_GCP_PROJECT); set
 STORAGE_EMULATOR_HOST to use a local emulator.
-Other knobs: EAGLE3_PRESET (tiny|demo|full), EAGLE3_TARGET (model id or path), EAGLE3_COMPUTE
-(in_process|pipes), EAGLE3_SERVING (auto|embedded|sglang), EAGLE3_BENCH_DURATION_S (seconds per
+Other knobs: EAGLE3_PRESET (tiny|demo|cpu|full), EAGLE3_DTYPE (auto|bfloat16|float32) and
+EAGLE3_TORCH_THREADS (0 = every core) overriding the preset's compute settings in every model-running
+stage, EAGLE3_TARGET (model id or path), EAGLE3_COMPUTE (in_process|pipes), EAGLE3_SERVING (auto|embedded|sglang), EAGLE3_BENCH_DURATION_S (seconds per
 load-test cell, overriding the bench preset: slow shared machines).
 """
 from __future__ import annotations
 
 import os
 
+from eagle3_platform.config import DEFAULT_PRESET
 from resources.compute import ComputeResource
 from resources.preset import PresetResource
 from resources.serving import ServingResource
@@ -41,13 +43,16 @@ def _int_env(name: str) -> int | None:
 
 
 def build_resources(env: str | None = None, preset: str | None = None, target: str | None = None,
-                    storage: StorageResource | None = None) -> dict:
+                    storage: StorageResource | None = None, dtype: str | None = None,
+                    torch_threads: int | None = None) -> dict:
     """All resources for one environment; arguments override the environment variables."""
     env = env or os.environ.get("EAGLE3_ENV", "local")
+    threads = torch_threads if torch_threads is not None else _int_env("EAGLE3_TORCH_THREADS")
     return {
         "storage": storage or storage_for_env(env),
         "target": TargetResource(model=target or os.environ.get("EAGLE3_TARGET", "smollm2-135m-instruct")),
-        "preset": PresetResource(name=preset or os.environ.get("EAGLE3_PRESET", "demo")),
+        "preset": PresetResource(name=preset or os.environ.get("EAGLE3_PRESET", DEFAULT_PRESET),
+                                 dtype=dtype or os.environ.get("EAGLE3_DTYPE") or None, torch_threads=threads),
         "compute": ComputeResource(mode=os.environ.get("EAGLE3_COMPUTE", "in_process")),
         "serving": ServingResource(mode=os.environ.get("EAGLE3_SERVING", "auto"),
                                    bench_duration_s=_int_env("EAGLE3_BENCH_DURATION_S")),

@@ -1,39 +1,32 @@
-"""Pipes worker: `python -m resources.pipes_worker <eagle3 args...>`.
+"""Pipes worker: `python -m resources.pipes_worker`, started by the compute resource in "pipes" mode.
 
-Runs `eagle3 <args>` as a child process, forwards its output line by line, and reports the JSON
-summary (the CLI's last line) to the orchestrator as a Pipes custom message. Uses only
-`dagster_pipes` (the tiny client library), never `dagster` itself.
+Reads the stage request from the Pipes context's extras, runs it with the same
+`eagle3_platform.stage.run` the in-process mode calls, and reports the summary as a Pipes custom
+message. Uses only `dagster_pipes` (the tiny client library), never `dagster` itself.
 """
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 from dagster_pipes import open_dagster_pipes
+from pydantic import ValidationError
+
+from eagle3_platform import stage
 
 
-def main(argv: list[str]) -> int:
+def main() -> int:
     with open_dagster_pipes() as pipes:
-        proc = subprocess.Popen([sys.executable, "-m", "eagle3_platform.cli", *argv],
-                                stdout=subprocess.PIPE, text=True, bufsize=1)
-        last = ""
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            sys.stdout.flush()
-            if line.strip():
-                last = line
-        rc = proc.wait()
+        name = pipes.extras.get("stage")
         try:
-            summary = json.loads(last)
-        except json.JSONDecodeError:
-            summary = {"ok": False, "error": "no JSON summary"}
-        if rc != 0 or not summary.get("ok", False):
-            pipes.log.error(f"eagle3 {argv[0]} failed (exit {rc}): {summary.get('error', '')}")
-            raise SystemExit(rc or 1)
-        pipes.report_custom_message(summary)
+            summary = stage.run(stage.from_payload(pipes.extras))
+        except (ValueError, OSError) as e:  # the stage's refusal, one line (as `eagle3` reports it)
+            msg = stage.describe(e) if isinstance(e, ValidationError) else str(e)
+            pipes.log.error(f"{name} failed: {msg}")
+            raise SystemExit(2) from None
+        pipes.report_custom_message(json.loads(json.dumps(summary, default=str)))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

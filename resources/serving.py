@@ -42,17 +42,23 @@ class ServingResource(ConfigurableResource):
 
         return SPEC_FOR_PRESET[preset]
 
-    def launch(self, target_dir, draft_dir=None, log_path=None, preset: str = "demo", port=None):
-        """Start an endpoint (draft_dir None = the baseline); returns a handle with .url and .stop()."""
+    def launch(self, target_dir, draft_dir=None, log_path=None, preset: str = "demo", port=None,
+               compute: dict | None = None):
+        """Start an endpoint (draft_dir None = the baseline); returns a handle with .url and .stop().
+        compute: the preset's compute overrides (dtype, torch_threads) for the embedded server."""
         mode = self.resolved_mode()
         if mode == "embedded":
+            compute = compute or {}
+            flags = ["--preset", preset] + (["--dtype", compute["dtype"]] if "dtype" in compute else [])
+            if compute.get("torch_threads"):  # 0 = every core: torch's default, so no flag
+                flags += ["--threads", str(compute["torch_threads"])]
             from eagle3_platform.serve.launch import start_embedded_server
 
             return start_embedded_server(target_dir, draft_dir, host=self.host,
                                          port=self.port if port is None else port,
                                          api_key=self.api_key, spec=self.spec_name(preset),
                                          log_path=log_path, timeout=self.startup_timeout_s,
-                                         extra_args=["--preset", preset])
+                                         extra_args=flags)
         from eagle3_platform.serve.sglang import SGLangServer
 
         cfg = self.sglang_config(target_dir, draft_dir, preset, port)

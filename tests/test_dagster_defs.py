@@ -32,10 +32,32 @@ def test_definitions_resolve_in_process():
     checks = {(c.asset_key.to_user_string(), c.name) for c in graph.asset_check_keys}
     assert ("draft_head", "draft_head_acceptance") in checks
     assert ("feature_shards", "shards_verify") in checks
-    for job in ("workload_refresh", "draft_retrain", "deploy_and_benchmark"):
+    for job in ("observe_workload_sources", "workload_refresh", "draft_retrain", "deploy_and_benchmark"):
         assert defs.resolve_job_def(job) is not None
-    assert {s.name for s in defs.sensors} == {"workload_sources_sensor", "draft_retrain_sensor"}
+    assert {s.name for s in defs.sensors} == {"draft_retrain_sensor"}
     assert set(defs.resources) >= {"storage", "target", "preset", "compute", "serving"}
+
+
+def test_code_versions_follow_code_and_settings(tmp_path):
+    """code_version = hash(the asset's code + the settings it resolves), so the UI shows what is stale."""
+    from assets.versions import INPUTS, code_version, source_hash
+    from definitions import build_definitions
+    from resources import PresetResource, TargetResource
+
+    graph = build_definitions(preset="tiny", target="tiny-random").resolve_asset_graph()
+    versions = {k.to_user_string(): graph.get(k).code_version for k in graph.materializable_asset_keys}
+    assert set(versions) == set(INPUTS) and all(v and v != "1" for v in versions.values())
+    t = TargetResource(model="tiny-random")
+    tiny, bf16 = PresetResource(name="tiny"), PresetResource(name="tiny", dtype="bfloat16")
+    assert versions["draft_head"] == code_version("draft_head", tiny, t)  # deterministic
+    assert code_version("draft_head", PresetResource(name="demo"), t) != versions["draft_head"]
+    assert code_version("target_responses", bf16, t) != code_version("target_responses", tiny, t)
+    assert code_version("filtered_prompts", bf16, t) == code_version("filtered_prompts", tiny, t)  # no model
+    assert code_version("feature_shards", tiny, TargetResource(model="other")) != code_version("feature_shards", tiny, t)
+    (tmp_path / "m.py").write_text("x = 1\n")
+    before = source_hash([str(tmp_path / "m.py")])
+    (tmp_path / "m.py").write_text("x = 2\n")
+    assert source_hash([str(tmp_path / "m.py")]) != before
 
 
 def test_environment_selection(monkeypatch):
@@ -57,12 +79,25 @@ def test_environment_selection(monkeypatch):
 
 
 def test_preset_resource_reads_area_configs():
-    from resources.preset import area_config
+    from eagle3_platform.config import preset
+    from resources import PresetResource
 
-    assert area_config("tiny", "sources").limit is not None
-    assert area_config("tiny", "train").draft_vocab_size > 0
+    tiny = PresetResource(name="tiny")
+    assert tiny.area("sources") is preset("tiny").sources and tiny.area("sources").limit is not None
+    assert tiny.area("train").draft_vocab_size > 0
+    assert tiny.compute() == {} and tiny.identity() == "tiny"
+    bf16 = PresetResource(name="tiny", dtype="bfloat16", torch_threads=1)
+    assert bf16.compute() == {"dtype": "bfloat16", "torch_threads": 1}
+    assert bf16.staging_key("abc") != tiny.staging_key("abc")  # other settings: a fresh staging dir
     with pytest.raises(ValueError, match="unknown preset"):
-        area_config("huge", "train")
+        PresetResource(name="huge").area("train")
+
+
+def test_every_preset_has_an_acceptance_gate():
+    from assets.checks import GATES
+    from eagle3_platform.config import PRESET_NAMES
+
+    assert set(GATES) == set(PRESET_NAMES)  # `eagle3 run --preset cpu` used to fail its check (KeyError)
 
 
 @pytest.mark.integration

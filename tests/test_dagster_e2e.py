@@ -1,7 +1,9 @@
 """The whole graph on the tiny target through Dagster, started the way users start it: `eagle3 run`
-(which runs `python -m pipeline` in a child process). Then a second run skips every unchanged step."""
+(which runs `python -m pipeline` in a child process). Then a second run skips every step Dagster's records
+show up to date, and a third rebuilds only the step whose stored output went missing."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +41,8 @@ def test_whole_graph_on_tiny_target_through_dagster(tmp_path, tiny_target_dir):
     assert json.loads((data / "draft/export/config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
     assert any(k.startswith("benchmark_report") and v.endswith("report.md") for k, v in summary["outputs"].items())
     assert "done in" in log and (tmp_path / "dagster_home" / "dagster.yaml").exists()
+    assert summary["headline"] and summary["wall_s"] > 0  # the benchmark's figures, from Dagster's records
+    assert not list((tmp_path / "dagster_home").glob("*state*.json"))  # Dagster's records decide, no own file
 
     # The runs are in the persistent instance the UI reads.
     os.environ["DAGSTER_HOME"] = str(tmp_path / "dagster_home")
@@ -53,3 +57,6 @@ def test_whole_graph_on_tiny_target_through_dagster(tmp_path, tiny_target_dir):
 
     again, _ = _eagle3_run(tmp_path, tiny_target_dir, "--through", "draft_head")
     assert all(s.get("skipped") for s in again["steps"]), again["steps"]
+    shutil.rmtree(data / "draft/vocab")  # an output Dagster recorded (vocab_uri) is gone: rebuilt alone
+    third, _ = _eagle3_run(tmp_path, tiny_target_dir, "--through", "draft_vocab")
+    assert [s.get("materialized") for s in third["steps"]] == [None, ["draft_vocab"]]

@@ -1,11 +1,13 @@
-"""Automation: the source sensor requests exactly the changed workload partition; the retrain sensor
-waits for upstream work to settle and retrains once per batch of feature changes."""
+"""Automation: a source change re-materializes exactly the changed workload partition and what was built
+downstream of it (declarative conditions); the retrain sensor waits for upstream work to settle and
+retrains once per batch of feature changes."""
 import json
 
 import pytest
-from dagster import AssetKey, AssetMaterialization, DagsterInstance, build_sensor_context
+from dagster import (AssetKey, AssetMaterialization, DagsterInstance, build_sensor_context,
+                     evaluate_automation_conditions)
 
-from assets.sensors import RetrainPolicy, draft_retrain_sensor, workload_sources_sensor
+from assets.sensors import RetrainPolicy, draft_retrain_sensor
 
 
 @pytest.fixture()
@@ -22,39 +24,62 @@ def extra_dir(tmp_path, monkeypatch):
     return d
 
 
+@pytest.fixture(scope="module")
+def defs():
+    from definitions import build_definitions
+
+    return build_definitions(preset="tiny", target="tiny-random")
+
+
 def tick(sensor, instance, cursor=None):
     return sensor(build_sensor_context(instance=instance, cursor=cursor))
 
 
-def test_source_change_requests_only_that_partition(instance, extra_dir):
-    first = tick(workload_sources_sensor, instance)
-    assert not first.run_requests  # never built: observing is not a reason to build
-    seen = json.loads(first.cursor)
-    assert sorted(seen) == ["chat", "code", "long_context", "math", "multi_turn"]
-    assert {e.partition for e in first.asset_events} == set(seen)  # initial data versions recorded
+def observe(defs, instance) -> dict:
+    assert defs.resolve_job_def("observe_workload_sources").execute_in_process(instance=instance).success
+    recs = instance.fetch_observations(AssetKey("workload_sources"), limit=50).records
+    latest = {}
+    for r in reversed(recs):  # oldest first: the newest observation of each partition wins
+        latest[r.partition_key] = r.asset_observation.tags["dagster/data_version"]
+    return latest
+
+
+def requested(result) -> dict:
+    return {r.key.to_user_string(): sorted(result.get_requested_partitions(r.key))
+            for r in result.results if result.get_num_requested(r.key)}
+
+
+def test_source_change_rebuilds_only_that_partition_and_downstream(defs, instance, extra_dir):
+    from eagle3_platform.data.sources import source_fingerprint
+
+    seen = observe(defs, instance)
+    assert seen == {w: source_fingerprint(w) for w in ("chat", "multi_turn", "code", "math", "long_context")}
+    for w in ("code", "math"):  # built after that observation: prompts + responses, no features
+        for name in ("filtered_prompts", "target_responses"):
+            instance.report_runless_asset_event(AssetMaterialization(name, partition=w))
+    first = evaluate_automation_conditions(defs, instance)
+    assert requested(first) == {}  # nothing changed; never-built partitions are not built
 
     (extra_dir / "code").mkdir()
     (extra_dir / "code" / "team_prompts.jsonl").write_text(
         json.dumps({"messages": [{"role": "user", "content": "Write a Python function that reverses a list."}]}) + "\n")
-    second = tick(workload_sources_sensor, instance, first.cursor)
-    assert [r.partition_key for r in second.run_requests] == ["code"]
-    assert second.run_requests[0].tags["eagle3/trigger"] == "source_change"
-    assert [(e.asset_key, e.partition) for e in second.asset_events] == [(AssetKey("workload_sources"), "code")]
-    new_fp = json.loads(second.cursor)["code"]
-    assert new_fp != seen["code"] and second.asset_events[0].tags["dagster/data_version"] == new_fp
-    assert {w: v for w, v in json.loads(second.cursor).items() if w != "code"} == \
+    after = observe(defs, instance)
+    assert after["code"] != seen["code"] and {w: v for w, v in after.items() if w != "code"} == \
         {w: v for w, v in seen.items() if w != "code"}
+    second = evaluate_automation_conditions(defs, instance, cursor=first.cursor)
+    assert requested(second) == {"filtered_prompts": ["code"], "target_responses": ["code"]}
 
-    third = tick(workload_sources_sensor, instance, second.cursor)
-    assert not third.run_requests  # nothing changed since
+    third = evaluate_automation_conditions(defs, instance, cursor=second.cursor)
+    assert requested(third) == {}  # handled: not requested again
 
 
-def test_fresh_sensor_compares_with_what_was_built(instance, extra_dir):
-    """No cursor yet (new deployment): a partition built from other source data is rebuilt."""
-    instance.report_runless_asset_event(AssetMaterialization(
-        "filtered_prompts", partition="math", metadata={"source_fingerprint": "0" * 64}))
-    res = tick(workload_sources_sensor, instance)
-    assert [r.partition_key for r in res.run_requests] == ["math"]
+def test_sources_are_observed_on_a_cron_tick(defs):
+    graph = defs.resolve_asset_graph()
+    cond = graph.get(AssetKey("workload_sources")).automation_condition
+    assert cond is not None and "cron" in str(cond).lower()
+    for name in ("filtered_prompts", "target_responses", "feature_shards"):
+        assert graph.get(AssetKey(name)).automation_condition is not None
+    assert {s.name for s in defs.sensors} == {"draft_retrain_sensor"}  # the one thing a condition cannot do
 
 
 def _features_materialized(instance, workloads):
@@ -92,15 +117,3 @@ def test_retrain_cooldown_after_latest_features(instance, monkeypatch):
     _features_materialized(instance, ["chat"])
     res = tick(draft_retrain_sensor, instance)
     assert not res.run_requests and "old" in str(res.skip_reason)
-
-
-def test_observing_the_source_asset_records_a_data_version_per_partition(instance, extra_dir):
-    from dagster._core.definitions.observe import observe
-
-    from assets.sources import workload_sources
-    from eagle3_platform.data.sources import source_fingerprint
-
-    assert observe([workload_sources], instance=instance).success
-    recs = instance.fetch_observations(AssetKey("workload_sources"), limit=10).records
-    got = {r.partition_key: r.asset_observation.tags["dagster/data_version"] for r in recs}
-    assert got == {w: source_fingerprint(w) for w in ("chat", "multi_turn", "code", "math", "long_context")}

@@ -231,13 +231,6 @@ def evaluate(draft: Eagle3Draft, ds, indices: list[int], lm_head: torch.Tensor, 
 
 
 # ---- training ------------------------------------------------------------------------------------
-def _expect(target_dir: Path) -> dict:
-    from eagle3_platform.target import read_meta
-
-    meta = read_meta(target_dir)
-    return {k: meta[k] for k in ("target_id", "weights_hash", "capture_layer_ids")}
-
-
 def _log(msg: str) -> None:
     print(f"[train] {msg}", file=sys.stderr, flush=True)
 
@@ -245,8 +238,9 @@ def _log(msg: str) -> None:
 def prepare(target_dir, feature_dirs, out_dir: Path, cfg: TrainConfig, vocab_path, rank: int):
     """Datasets, vocab, draft model (seeded init), frozen target lm_head."""
     from eagle3_platform.features.shards import ShardDataset
+    from eagle3_platform.target import identity
 
-    expect = _expect(target_dir)
+    expect = identity(target_dir)
     hf = target_hf_config(target_dir)
     ds = ShardDataset(list(feature_dirs), expect=expect)
     vd = min(cfg.draft_vocab_size, hf["vocab_size"])

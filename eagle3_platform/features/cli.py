@@ -1,12 +1,9 @@
-"""`eagle3 extract` and `eagle3 verify-features`."""
+"""`eagle3 extract` (argv → eagle3_platform.features.stages.ExtractRequest) and `eagle3 verify-features`."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
 
-from eagle3_platform.cli_args import output_dir
-from eagle3_platform.features.extract import PRESETS, extract_file
-from eagle3_platform.features.shards import verify_shards
+from eagle3_platform.cli_args import add_compute_args, add_preset_arg
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -14,9 +11,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", required=True, help="prepared target dir")
     p.add_argument("--in", dest="conv", required=True, help="conversation records (JSONL)")
     p.add_argument("--out", required=True, help="feature dir (local path or gs://bucket/path)")
-    p.add_argument("--preset", default="demo", choices=sorted(PRESETS))
+    add_preset_arg(p)
     p.add_argument("--samples-per-shard", type=int, default=None)
     p.add_argument("--max-length", type=int, default=None)
+    add_compute_args(p)
     p.set_defaults(func=_extract)
 
     v = sub.add_parser("verify-features", help="check every shard of a feature dir against its manifest")
@@ -25,14 +23,17 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def _extract(args) -> dict:
-    output_dir(args.out)
-    cfg = PRESETS[args.preset]
-    overrides = {k: v for k, v in (("samples_per_shard", args.samples_per_shard),
-                                   ("max_length", args.max_length)) if v is not None}
-    return extract_file(args.target, args.conv, args.out, replace(cfg, **overrides))
+    from eagle3_platform.features.stages import ExtractRequest
+    from eagle3_platform.stage import run
+
+    return run(ExtractRequest(target=args.target, in_path=args.conv, out=args.out, preset=args.preset,
+                              samples_per_shard=args.samples_per_shard, max_length=args.max_length,
+                              dtype=args.dtype, torch_threads=args.threads))
 
 
 def _verify(args) -> dict:
+    from eagle3_platform.features.shards import verify_shards
+
     report = verify_shards(args.dir)
     if report["bad"]:
         names = ", ".join(b["shard"] for b in report["bad"])

@@ -1,0 +1,36 @@
+"""The extract stage behind one seam (eagle3_platform.stage): conversations → feature shards."""
+from __future__ import annotations
+
+from eagle3_platform.cli_args import output_dir
+from eagle3_platform.stage import ComputeRequest, optional_count
+
+
+class ExtractRequest(ComputeRequest):
+    stage = "extract"
+    target: str
+    in_path: str  # conversation records (JSONL)
+    out: str  # feature dir (local path or gs://bucket/path); resumable per shard
+    samples_per_shard: int | None = optional_count()
+    max_length: int | None = optional_count()
+
+
+def feature_config(req: ExtractRequest):
+    from dataclasses import replace
+
+    cfg = req.platform().features
+    fields = {"samples_per_shard": req.samples_per_shard, "max_length": req.max_length,
+              "target_dtype": req.dtype}  # the target's compute dtype; stored features keep cfg.dtype
+    return replace(cfg, **{k: v for k, v in fields.items() if v is not None})
+
+
+def run_extract(req: ExtractRequest) -> dict:
+    from eagle3_platform.compute import set_threads
+    from eagle3_platform.features.extract import extract_file
+
+    output_dir(req.out)
+    if req.torch_threads is not None:  # FeatureConfig has no thread setting: torch's default otherwise
+        set_threads(req.torch_threads)
+    return extract_file(req.target, req.in_path, req.out, feature_config(req))
+
+
+RUNNERS = {ExtractRequest: run_extract}

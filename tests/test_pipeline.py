@@ -1,0 +1,72 @@
+"""`eagle3 run` (pipeline.py) asks Dagster what to build: the plan follows the asset graph, and a step
+runs only when the instance's records say an asset is missing or stale."""
+import pytest
+from dagster import AssetKey, AssetMaterialization, AssetObservation, DagsterInstance, MetadataValue
+
+import pipeline
+from resources import LocalStorageResource
+
+
+@pytest.fixture(scope="module")
+def graph():
+    from definitions import build_definitions
+
+    return build_definitions(preset="tiny", target="tiny-random").resolve_asset_graph()
+
+
+@pytest.fixture()
+def instance():
+    with DagsterInstance.ephemeral() as inst:
+        yield inst
+
+
+def test_plan_follows_the_asset_graph(graph):
+    steps = pipeline.plan(graph, "draft_head", ["code", "chat"])
+    assert [name for name, _, _ in steps] == ["partition:code", "partition:chat", "draft_vocab", "draft_head"]
+    assert [k.to_user_string() for k in steps[0][1]] == ["filtered_prompts", "target_responses", "feature_shards"]
+    assert [name for name, _, _ in pipeline.plan(graph, "target_responses", ["math"])] == ["partition:math"]
+    with pytest.raises(ValueError, match="--through 'nope'"):
+        pipeline.plan(graph, "nope", ["code"])
+
+
+def built(instance, graph, name, partition=None, **metadata):
+    key = AssetKey(name)
+    instance.report_runless_asset_event(AssetMaterialization(
+        name, partition=partition, metadata=metadata,
+        tags={"dagster/code_version": graph.get(key).code_version}))
+
+
+def observed(instance, workload, version):
+    instance.report_runless_asset_event(AssetObservation(
+        "workload_sources", partition=workload, tags={"dagster/data_version": version}))
+
+
+def test_missing_or_stale_from_the_instance_records(graph, instance, tmp_path):
+    storage = LocalStorageResource(root=str(tmp_path))
+    prompts, responses = AssetKey("filtered_prompts"), AssetKey("target_responses")
+
+    def reason(key):
+        return pipeline.stale_reason(instance, graph, storage, key, "code")
+
+    observed(instance, "code", "v1")
+    assert reason(prompts) == "missing"
+    kept = tmp_path / "code" / "kept.jsonl"
+    kept.parent.mkdir()
+    kept.write_text("{}\n")
+    built(instance, graph, "filtered_prompts", "code", kept_uri=MetadataValue.path(storage.uri("code/kept.jsonl")))
+    built(instance, graph, "target_responses", "code")
+    assert reason(prompts) is None and reason(responses) is None
+    observed(instance, "code", "v1")  # observed again, same data: still current
+    assert reason(prompts) is None
+
+    observed(instance, "code", "v2")
+    assert reason(prompts) == "workload_sources data version changed"
+    built(instance, graph, "filtered_prompts", "code", kept_uri=MetadataValue.path(storage.uri("code/kept.jsonl")))
+    assert reason(prompts) is None
+    assert reason(responses) == "filtered_prompts materialized since"
+
+    kept.unlink()  # the stored output is gone although Dagster recorded it
+    assert reason(prompts).startswith("output gone")
+    instance.report_runless_asset_event(AssetMaterialization(
+        "target_responses", partition="code", tags={"dagster/code_version": "older"}))
+    assert reason(responses) == "code or settings changed"
