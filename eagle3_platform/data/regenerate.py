@@ -27,7 +27,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from eagle3_platform.data.chat import BoundaryError, end_of_turn, render, render_prompt, template_hash
+from eagle3_platform.data.chat import BoundaryError, eos_token_ids, render, render_prompt, template_hash
 from eagle3_platform.records import (BadRecord, ConversationRecord, JsonlAppender, PromptRecord, Rejection,
                                      ignored_summary, line_rejection, parse_line, prompt_from_row, read_jsonl,
                                      read_lines, top_reasons, unknown_keys, usable_id)
@@ -117,12 +117,11 @@ class Turns:
     def __init__(self, tokenizer, cfg: RegenConfig):
         self.tok, self.cfg = tokenizer, cfg
         self.lock = threading.Lock()  # endpoint workers share the tokenizer
-        eot = end_of_turn(tokenizer)
         # tokens the template writes after an answer (EOT + newline): reserved inside max_length
         probe = render_prompt(tokenizer, [{"role": "user", "content": "hi"}])
         self.trailer = len(render(tokenizer, [{"role": "user", "content": "hi"},
                                               {"role": "assistant", "content": ""}])[0]) - len(probe)
-        self.stop_ids = {tokenizer.convert_tokens_to_ids(eot)} | _eos_ids(tokenizer)
+        self.stop_ids = eos_token_ids(tokenizer)
 
     def next(self, c: Convo, k: int) -> tuple[list[dict], list[int], int] | None:
         """(messages, prompt ids, max new tokens) for turn k, or None when the budget is spent."""
@@ -141,11 +140,6 @@ class Turns:
         c.history = msgs + [{"role": "assistant", "content": content}]
         c.finish.append(finish)
         c.new_tokens.append(n_tokens)
-
-
-def _eos_ids(tokenizer) -> set[int]:
-    eos = tokenizer.eos_token_id
-    return set() if eos is None else set(eos if isinstance(eos, list) else [eos])
 
 
 def scan_reason(scanner, texts: list[str], allowed: tuple[str, ...] = ()) -> str | None:
