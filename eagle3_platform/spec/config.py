@@ -32,14 +32,6 @@ class SpecConfig:
         """num_draft_tokens == 1 means only the root is verified: plain decoding."""
         return self.num_draft_tokens > 1
 
-    def sglang_args(self) -> list[str]:
-        """The equivalent SGLang flags (set all three or none)."""
-        if not self.speculative:
-            return []
-        return ["--speculative-num-steps", str(self.num_steps),
-                "--speculative-eagle-topk", str(self.eagle_topk),
-                "--speculative-num-draft-tokens", str(self.num_draft_tokens)]
-
     def to_dict(self) -> dict:
         return asdict(self)
 
