@@ -17,7 +17,7 @@ from starlette.testclient import TestClient
 from eagle3_platform.cli import main
 from eagle3_platform.serve.config import ServeConfig
 from eagle3_platform.serve.server import build_app
-from eagle3_platform.serve.testing import FakeEngine, word_token_ids
+from eagle3_platform.testing.serve import FakeEngine, word_token_ids
 from eagle3_platform.target import tiny_tokenizer
 
 CHAT = "/v1/chat/completions"
@@ -70,7 +70,7 @@ def write_conv(path: Path, recs) -> Path:
 
 @pytest.fixture(scope="module")
 def feats(tiny_target_dir, tmp_path_factory):
-    from eagle3_platform.draft.synthetic import target_features
+    from eagle3_platform.testing.synthetic import target_features
 
     return target_features(tiny_target_dir, tmp_path_factory.mktemp("hard") / "f", n_samples=4,
                            min_len=8, max_len=16)
