@@ -14,7 +14,7 @@ from pathlib import Path
 from dagster import ConfigurableResource
 from pydantic import PrivateAttr
 
-from eagle3_platform.paths import work_dir
+from eagle3_platform import paths
 from eagle3_platform.storage import Mirror, Storage, default_local_root, storage_from_uri
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -29,7 +29,7 @@ class StorageResource(ConfigurableResource):
 
     root: str = default_data_dir()  # a local directory or gs://bucket/prefix
     project: str | None = None  # GCP project of the bucket
-    work_dir: str = str(work_dir())  # local working copies of a bucket's objects
+    work_dir: str = str(paths.work_dir())  # local working copies of a bucket's objects
 
     _mirror = PrivateAttr(default=None)
 
