@@ -3,12 +3,13 @@
 Locust monkey-patches sockets (gevent), so it never runs inside Dagster's process: the asset starts
 both endpoints, then runs `eagle3 bench` as its own process and publishes the report directory."""
 
-import json
 import os
 import subprocess
 import sys
 
 from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
+
+from eagle3_platform.summary import run_with_summary
 
 from assets.deploy import deployment
 from assets.metadata import summary_metadata
@@ -73,19 +74,8 @@ def _run_cli(context, args: list[str], api_key: str | None = None) -> dict:
     """`eagle3 <args>` in its own process (output streamed to the run log); returns its JSON summary."""
     context.log.info("eagle3 " + " ".join(args))
     env = {**os.environ, **({"EAGLE3_API_KEY": api_key} if api_key else {})}  # not on the command line
-    proc = subprocess.Popen([sys.executable, "-m", "eagle3_platform.cli", *args], cwd=PROJECT_ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-    summary, error = {}, ""
-    for line in proc.stdout:
-        print(line, end="", flush=True)
-        if line.startswith("{"):  # the CLI's JSON summary line (its error on failure)
-            try:
-                summary = json.loads(line)
-            except json.JSONDecodeError:
-                pass
-        elif "Error:" in line and not error:  # an uncaught exception's message
-            error = line.strip()
-    if proc.wait() != 0 or not summary.get("ok"):
-        raise RuntimeError(f"eagle3 {args[0]} failed (exit {proc.returncode}): "
-                           f"{summary.get('error') or error or 'see the run log'}")
+    rc, summary = run_with_summary([sys.executable, "-m", "eagle3_platform.cli", *args], cwd=PROJECT_ROOT, env=env,
+                                   stderr=subprocess.STDOUT, echo=lambda line: print(line, end="", flush=True))
+    if not summary["ok"]:
+        raise RuntimeError(f"eagle3 {args[0]} failed (exit {rc}): {summary['error']}")
     return summary

@@ -3,12 +3,11 @@ Dagster definitions and materializes what is missing or stale) as a child proces
 output; this library module never imports Dagster itself."""
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 from eagle3_platform.cli_args import output_dir
+from eagle3_platform.summary import run_with_summary
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,20 +43,15 @@ def run(a) -> dict:
     if not (PROJECT_ROOT / "pipeline.py").exists():
         raise FileNotFoundError(f"pipeline.py not found beside the package at {PROJECT_ROOT}; "
                                 "`eagle3 run` needs the project checkout (definitions + assets)")
-    proc = subprocess.Popen(pipeline_command(a), cwd=PROJECT_ROOT, stdout=subprocess.PIPE, text=True,
-                            bufsize=1)
-    last = ""
-    for line in proc.stdout:  # progress goes to stderr (inherited); stdout lines are forwarded
-        if line.strip():
-            last = line
-            if not line.lstrip().startswith("{"):
-                print(line, end="", flush=True)
-    rc = proc.wait()
-    try:
-        summary = json.loads(last)
-    except json.JSONDecodeError:
-        summary = {"ok": False, "error": f"pipeline exited {rc} without a summary"}
-    if rc != 0 or not summary.get("ok"):
-        raise ValueError(f"pipeline failed (exit {rc}): {summary.get('error', '')}")
+    rc, summary = run_with_summary(pipeline_command(a), cwd=PROJECT_ROOT, echo=_forward)
+    if not summary["ok"]:
+        raise ValueError(f"pipeline failed (exit {rc}): {summary['error']}")
     summary.pop("ok", None)
     return summary
+
+
+def _forward(line: str) -> None:
+    """Progress goes to stderr (inherited); stdout lines are forwarded, except the pipeline's summary
+    (the caller prints its own)."""
+    if not line.lstrip().startswith("{"):
+        print(line, end="", flush=True)

@@ -1,8 +1,10 @@
-"""Artifact storage: one interface, a local-filesystem and a GCS implementation.
+"""Artifact storage: one interface, a local-filesystem and a GCS implementation, and `Mirror`, the
+local working copy heavy steps read and write. The ONE storage implementation: the Dagster `storage`
+resource and feature extraction both go through it.
 
 Keys are '/'-separated relative paths ("features/chat/shard-00000.safetensors"). Heavy steps work on
 local files; the storage moves whole files in and out, atomically on both sides (local: tmp + rename;
-GCS: an object appears only when its upload completes), and verifies sha256 when asked.
+GCS: an object appears only when its upload completes).
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import shutil
 from abc import ABC, abstractmethod
 from pathlib import Path
 
-from eagle3_platform.records import sha256_file
+from eagle3_platform.paths import scratch_dir, work_dir
 
 
 class Storage(ABC):
@@ -33,7 +35,7 @@ class Storage(ABC):
     def get_file(self, key: str, local: str | Path) -> Path: ...
 
     def put_bytes(self, key: str, data: bytes) -> str:
-        tmp = Path(_scratch()) / key.replace("/", "__")
+        tmp = scratch_dir() / key.replace("/", "__")
         tmp.write_bytes(data)
         try:
             return self.put_file(tmp, key)
@@ -41,7 +43,7 @@ class Storage(ABC):
             tmp.unlink(missing_ok=True)
 
     def get_bytes(self, key: str) -> bytes:
-        tmp = Path(_scratch()) / key.replace("/", "__")
+        tmp = scratch_dir() / key.replace("/", "__")
         try:
             return self.get_file(key, tmp).read_bytes()
         finally:
@@ -148,21 +150,108 @@ class GCSStorage(Storage):
         return local
 
 
-def verify(local: str | Path, sha256: str) -> None:
-    got = sha256_file(local)
-    if got != sha256:
-        raise ValueError(f"checksum mismatch for {local}: expected {sha256[:12]}…, got {got[:12]}…")
-
-
-def _scratch() -> str:
-    d = Path(os.environ.get("EAGLE3_SCRATCH", Path.home() / ".cache" / "eagle3" / "scratch"))
-    d.mkdir(parents=True, exist_ok=True)
-    return str(d)
-
-
-def storage_from_uri(uri: str) -> Storage:
+def storage_from_uri(uri: str, project: str | None = None) -> Storage:
     """'gs://bucket/prefix' → GCSStorage, anything else → LocalStorage rooted there."""
     if uri.startswith("gs://"):
         bucket, _, prefix = uri[5:].partition("/")
-        return GCSStorage(bucket, prefix)
+        if not bucket:
+            raise ValueError(f"no bucket in {uri!r}: expected gs://bucket[/prefix]")
+        return GCSStorage(bucket, prefix, project)
     return LocalStorage(uri.removeprefix("file://"))
+
+
+def default_local_root(storage: Storage, base: str | Path | None = None) -> Path:
+    """Where a Mirror keeps its local copy: a local storage is its own copy; a bucket gets a cache
+    directory per bucket and prefix under `base` (default: the cache root's work dir)."""
+    if isinstance(storage, LocalStorage):
+        return storage.root
+    assert isinstance(storage, GCSStorage)
+    return Path(base or work_dir()) / "gcs" / storage.bucket_name / (storage.prefix or "_")
+
+
+class Mirror:
+    """A Storage seen through a local directory, for steps that read and write local files.
+
+    Every key has a local path (`local_root/key`); `fetch` brings a stored object there, `publish`
+    stores the local file. Over a LocalStorage rooted at `local_root` the local path IS the stored
+    object, so nothing is copied (`in_place`). `prefix` is prepended to keys on the storage side only.
+    """
+
+    def __init__(self, storage: Storage, local_root: str | Path | None = None, prefix: str = ""):
+        self.storage, self.prefix = storage, prefix.strip("/")
+        self.root = Path(local_root).resolve() if local_root else default_local_root(storage)
+        self.in_place = isinstance(storage, LocalStorage) and storage.root == self.root and not self.prefix
+
+    def key(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def local_path(self, name: str) -> Path:
+        return self.root / name
+
+    def uri(self, name: str) -> str:
+        return self.storage.uri(self.key(name))
+
+    def exists(self, name: str) -> bool:
+        return self.storage.exists(self.key(name))
+
+    def list(self, prefix: str) -> list[str]:
+        return self.storage.list(self.key(prefix))
+
+    def fetch(self, name: str) -> Path:
+        """Local copy of a stored file (the file itself when in place)."""
+        if not self.exists(name):
+            raise FileNotFoundError(f"{self.uri(name)} does not exist; materialize its upstream asset")
+        return self.storage.get_file(self.key(name), self.local_path(name))
+
+    def fetch_dir(self, prefix: str) -> Path:
+        if not self.list(prefix):
+            raise FileNotFoundError(f"nothing under {self.uri(prefix)}; materialize its upstream asset")
+        if not self.in_place:  # the local copy is a cache: drop it so no stale file survives a re-run
+            shutil.rmtree(self.local_path(prefix), ignore_errors=True)
+        return self.storage.get_dir(self.key(prefix), self.local_path(prefix))
+
+    def publish(self, name: str) -> str:
+        """Store the local file of `name` (nothing to do when in place)."""
+        return self.storage.put_file(self.local_path(name), self.key(name))
+
+    def staging(self, key: str, input_hash: str = "") -> Path:
+        """A private local directory where a step builds `key` (resumable: same input, same dir)."""
+        d = self.root / ".staging" / key / (input_hash[:16] or "_")
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def publish_from(self, src: str | Path, key: str) -> str:
+        """Store a staged file or directory under `key` and drop the staging copy. In place this is a
+        rename on one filesystem; a directory replaces the old one whole, so no stale file survives."""
+        src = Path(src)
+        if self.in_place:
+            _swap_in(src, self.local_path(key))
+        elif src.is_dir():
+            self.storage.put_dir(src, self.key(key))
+        else:
+            self.storage.put_file(src, self.key(key))
+        if (self.root / ".staging") in src.resolve().parents:
+            _remove_staged(src)
+        return self.uri(key)
+
+
+def _swap_in(src: Path, dest: Path) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if not src.is_dir():
+        os.replace(src, dest)
+        return
+    old = dest.with_name(dest.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if dest.exists():
+        os.replace(dest, old)
+    os.replace(src, dest)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _remove_staged(src: Path) -> None:
+    if src.is_dir():
+        shutil.rmtree(src, ignore_errors=True)
+        return
+    src.unlink(missing_ok=True)
+    if src.parent.exists() and not any(src.parent.iterdir()):
+        src.parent.rmdir()

@@ -16,24 +16,24 @@ from eagle3_platform.config import DEFAULT_PRESET
 from resources.compute import ComputeResource
 from resources.preset import PresetResource
 from resources.serving import ServingResource
-from resources.storage import GCSStorageResource, LocalStorageResource, StorageResource, default_data_dir
+from resources.storage import StorageResource, default_data_dir
 from resources.target import TargetResource
 
 ENVS = ("local", "gcp")
 
-__all__ = ["ComputeResource", "GCSStorageResource", "LocalStorageResource", "PresetResource",
-           "ServingResource", "StorageResource", "TargetResource", "build_resources", "ENVS"]
+__all__ = ["ComputeResource", "PresetResource", "ServingResource", "StorageResource", "TargetResource",
+           "build_resources", "ENVS"]
 
 
 def storage_for_env(env: str) -> StorageResource:
     if env == "local":
-        return LocalStorageResource(root=default_data_dir())  # read now: EAGLE3_DATA_DIR may be set late
+        return StorageResource(root=default_data_dir())  # read now: EAGLE3_DATA_DIR may be set late
     if env == "gcp":
         bucket = os.environ.get("EAGLE3_GCS_BUCKET")
         if not bucket:
             raise ValueError("EAGLE3_ENV=gcp needs EAGLE3_GCS_BUCKET")
-        return GCSStorageResource(bucket=bucket, prefix=os.environ.get("EAGLE3_GCS_PREFIX", "eagle3"),
-                                  project=os.environ.get("EAGLE3_GCP_PROJECT"))
+        prefix = os.environ.get("EAGLE3_GCS_PREFIX", "eagle3").strip("/")
+        return StorageResource(root=f"gs://{bucket}/{prefix}", project=os.environ.get("EAGLE3_GCP_PROJECT"))
     raise ValueError(f"EAGLE3_ENV must be one of {ENVS}, got {env!r}")
 
 

@@ -2,10 +2,10 @@
 
 mode "embedded" runs the library's CPU OpenAI-compatible server (`eagle3 serve`); "sglang" launches
 SGLang with EAGLE-3 speculative settings (GPU); "auto" picks SGLang when a GPU and sglang are present.
+GPU detection and the speculative-settings merge live in `eagle3_platform.serve.sglang`.
 """
 from __future__ import annotations
 
-import importlib.util
 from typing import Literal
 
 from dagster import ConfigurableResource
@@ -28,13 +28,9 @@ class ServingResource(ConfigurableResource):
     def resolved_mode(self) -> str:
         if self.mode != "auto":
             return self.mode
-        try:
-            import torch
+        from eagle3_platform.serve.sglang import sglang_available
 
-            gpu = torch.cuda.is_available()
-        except ImportError:
-            gpu = False
-        return "sglang" if gpu and importlib.util.find_spec("sglang") else "embedded"
+        return "sglang" if sglang_available() else "embedded"
 
     def spec_name(self, preset: str) -> str:
         """The speculative-settings preset (chain | tree | tiny) the platform preset deploys with."""
@@ -70,12 +66,7 @@ class ServingResource(ConfigurableResource):
         from eagle3_platform.config import preset as platform_preset
         from eagle3_platform.serve.sglang import SGLangConfig, free_port
 
-        spec = platform_preset(preset).spec
-        ints = {}
-        if draft_dir is not None:
-            ints = {"num_steps": self.num_steps or spec.num_steps,
-                    "eagle_topk": self.eagle_topk or spec.eagle_topk,
-                    "num_draft_tokens": self.num_draft_tokens or spec.num_draft_tokens}
         port = self.port if port is None else port
-        return SGLangConfig(model_path=str(target_dir), draft_path=str(draft_dir) if draft_dir else None,
-                            host=self.host, port=port or free_port(self.host), **ints)
+        return SGLangConfig.from_spec(str(target_dir), str(draft_dir) if draft_dir else None,
+                                      platform_preset(preset).spec, self.num_steps, self.eagle_topk,
+                                      self.num_draft_tokens, host=self.host, port=port or free_port(self.host))

@@ -77,7 +77,7 @@ def oracle_method(target, refs: dict):
     will emit. refs[prompt] starts as hf_greedy's output; `settle_oracle` makes it the engine's own
     output (in bf16 a near-tie can flip between a 5-token verify and a 1-token decode, after which
     hf_greedy's continuation would no longer be what the engine emits)."""
-    from eagle3_platform.spec.oracle import OracleDrafter
+    from eagle3_platform.testing.oracle import OracleDrafter
 
     cfg = PRESETS["chain"]
 

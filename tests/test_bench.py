@@ -140,7 +140,7 @@ def test_locust_sweep_against_fake_servers(tmp_path, prompts_file):
     from eagle3_platform.bench.run import run_benchmark
     from eagle3_platform.serve.launch import spawn_server
 
-    cmd = [sys.executable, "-m", "eagle3_platform.serve.testing", "--delay-s", "0.01"]
+    cmd = [sys.executable, "-m", "eagle3_platform.testing.serve", "--delay-s", "0.01"]
     eagle = spawn_server(cmd + ["--chunk", "3"], api_key="k", timeout=60)
     base = spawn_server(cmd + ["--chunk", "1"], api_key="k", timeout=60)
     try:
@@ -165,7 +165,7 @@ def test_bench_cli_against_tiny_target_servers(tmp_path, prompts_file, tiny_targ
     import subprocess
 
     from eagle3_platform.serve.launch import start_embedded_server
-    from eagle3_platform.serve.testing import random_export
+    from eagle3_platform.testing.serve import random_export
 
     export = random_export(tiny_target_dir, tmp_path / "export")
     base = start_embedded_server(tiny_target_dir, log_path=tmp_path / "base.log", timeout=120)

@@ -9,8 +9,8 @@ import copy
 
 import pytest
 
-from eagle3_platform.data.chat import (BoundaryError, TemplateError, end_of_turn, render, render_prompt,
-                                       template_hash, tokenizer_hash)
+from eagle3_platform.data.chat import (BoundaryError, TemplateError, end_of_turn, eos_token_ids, render,
+                                       render_prompt, template_hash, tokenizer_hash)
 from eagle3_platform.target import tiny_tokenizer
 
 SMOLLM2_TEMPLATE = (
@@ -194,36 +194,43 @@ def test_conversation_without_assistant_has_empty_mask(chatml):
 
 # ------------------------------------------------------------------------------------- failures
 
-def test_not_prefix_stable_template_fails_loudly(chatml):
-    tok = copy.deepcopy(chatml)
+# Templates that cannot give an exact mask: (template built from the ChatML one, error, message, conversation)
+BAD_TEMPLATES = {
     # the number of messages is written up front: rendering a prefix is not a prefix of the full render
-    tok.chat_template = "{{ messages|length }}" + chatml.chat_template
-    with pytest.raises(TemplateError, match="prefix-stable"):
-        render(tok, MULTI)
-
-
-def test_template_without_special_eot_fails_loudly(chatml):
-    tok = copy.deepcopy(chatml)
-    tok.chat_template = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
-                         "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
-    with pytest.raises(TemplateError, match="end-of-turn"):
-        render(tok, SINGLE)
-
-
-def test_token_straddling_the_boundary_is_refused(chatml):
-    tok = copy.deepcopy(chatml)
+    "not_prefix_stable": (lambda chatml: "{{ messages|length }}" + chatml, TemplateError, "prefix-stable", MULTI),
+    "no_special_eot": (lambda _: "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
+                       "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}",
+                       TemplateError, "end-of-turn", SINGLE),
     # the header ends in a space, so " is" merges into one token across the assistant boundary
-    tok.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + ' ' + m['content'] + '<|im_end|>' }}"
-                         "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant ' }}{% endif %}")
-    with pytest.raises(BoundaryError):
-        render(tok, [{"role": "user", "content": "x"}, {"role": "assistant", "content": "is 4"}])
+    "token_straddles_boundary": (
+        lambda _: "{% for m in messages %}{{ '<|im_start|>' + m['role'] + ' ' + m['content'] + '<|im_end|>' }}"
+                  "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant ' }}{% endif %}",
+        BoundaryError, None, [{"role": "user", "content": "x"}, {"role": "assistant", "content": "is 4"}]),
+    "no_template": (lambda _: None, TemplateError, "no chat template", SINGLE),
+}
 
 
-def test_no_template_fails(chatml):
+@pytest.mark.parametrize("case", sorted(BAD_TEMPLATES))
+def test_template_without_an_exact_mask_fails_loudly(chatml, case):
+    make, error, match, messages = BAD_TEMPLATES[case]
     tok = copy.deepcopy(chatml)
-    tok.chat_template = None
-    with pytest.raises(TemplateError, match="no chat template"):
-        render(tok, SINGLE)
+    tok.chat_template = make(chatml.chat_template)
+    with pytest.raises(error, match=match):
+        render(tok, messages)
+
+
+# ------------------------------------------------------------------------------------------ EOS
+
+def test_eos_ids_are_the_template_eot_plus_declared_ids(chatml):
+    """One rule for regeneration and the engine: the probed end-of-turn token + every declared eos id."""
+    eot = chatml.convert_tokens_to_ids(end_of_turn(chatml))
+    assert eos_token_ids(chatml) == {eot} | {chatml.eos_token_id}
+
+    class Model:  # a base-model eos declared only in the (generation) config still ends an answer
+        config = type("C", (), {"eos_token_id": 5})()
+        generation_config = type("G", (), {"eos_token_id": [6, 7]})()
+
+    assert eos_token_ids(chatml, Model()) == {eot, chatml.eos_token_id, 5, 6, 7}
 
 
 # ------------------------------------------------------------------------------------------ hashes

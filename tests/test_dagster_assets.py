@@ -4,7 +4,7 @@ runs in the same step)."""
 import pytest
 from dagster import AssetKey, DagsterInstance
 
-from resources import LocalStorageResource
+from resources import StorageResource
 from dagster_helpers import check_prompts_and_responses, meta, run, tiny_resources
 
 WORKLOAD = "code"
@@ -17,7 +17,7 @@ def instance():
 
 
 def test_partition_materializes_prompts_responses_features(tmp_path, tiny_target_dir, instance):
-    storage = LocalStorageResource(root=str(tmp_path / "data"))
+    storage = StorageResource(root=str(tmp_path / "data"))
     res = tiny_resources(storage, tiny_target_dir)
     result = run(["filtered_prompts", "target_responses", "feature_shards"], res, instance, WORKLOAD)
     assert result.success
@@ -40,7 +40,7 @@ def test_corrupt_stored_shard_fails_the_blocking_check(tmp_path, tiny_target_dir
     """The check re-reads what was stored: a shard damaged after publishing is named, not used."""
     import assets.features as F
 
-    storage = LocalStorageResource(root=str(tmp_path / "data"))
+    storage = StorageResource(root=str(tmp_path / "data"))
     res = tiny_resources(storage, tiny_target_dir)
     publish = type(storage).publish_from
 
@@ -90,7 +90,7 @@ def test_pipes_compute_mode_matches_in_process(tmp_path, tiny_target_dir, instan
     + export) must store byte-identical artifacts in both modes."""
     files = {}
     for mode in ("in_process", "pipes"):
-        storage = LocalStorageResource(root=str(tmp_path / mode))
+        storage = StorageResource(root=str(tmp_path / mode))
         res = tiny_resources(storage, tiny_target_dir, compute=mode)
         result = run(["filtered_prompts", "target_responses", "feature_shards"], res, instance, WORKLOAD)
         check_prompts_and_responses(storage, result, WORKLOAD)

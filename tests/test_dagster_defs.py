@@ -61,14 +61,14 @@ def test_code_versions_follow_code_and_settings(tmp_path):
 
 
 def test_environment_selection(monkeypatch):
-    from resources import GCSStorageResource, LocalStorageResource, build_resources
+    from resources import build_resources
 
     monkeypatch.delenv("EAGLE3_ENV", raising=False)
-    assert isinstance(build_resources()["storage"], LocalStorageResource)
+    assert not build_resources()["storage"].root.startswith("gs://")
     monkeypatch.setenv("EAGLE3_ENV", "gcp")
     monkeypatch.setenv("EAGLE3_GCS_BUCKET", "b")
     res = build_resources(preset="tiny", target="tiny-random")
-    assert isinstance(res["storage"], GCSStorageResource) and res["storage"].bucket == "b"
+    assert res["storage"].root == "gs://b/eagle3"
     assert res["preset"].name == "tiny" and res["target"].model == "tiny-random"
     monkeypatch.delenv("EAGLE3_GCS_BUCKET")
     with pytest.raises(ValueError, match="EAGLE3_GCS_BUCKET"):

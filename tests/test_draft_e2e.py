@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from eagle3_platform.draft.export import load_export
-from eagle3_platform.draft.synthetic import target_features
+from eagle3_platform.testing.synthetic import target_features
 from eagle3_platform.draft.train import PRESETS, load_draft_dir, train
 
 

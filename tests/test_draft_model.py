@@ -99,4 +99,4 @@ def test_simulated_acceptance_and_tau():
     assert simulated_acceptance([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
     with pytest.raises(ValueError):
         simulated_acceptance([1.5])
-    assert acceptance_length(30, 10) == 3.0 and acceptance_length(0, 0) == 0.0
+    assert acceptance_length(30, 10) == 3.0 and acceptance_length(0, 0) is None

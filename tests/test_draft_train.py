@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3_platform.draft.synthetic import target_features
+from eagle3_platform.testing.synthetic import target_features
 from eagle3_platform.draft.train import PRESETS, batch_plan, lr_at
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -37,7 +37,7 @@ def test_check_vocab_rejects_inconsistent():
 
 
 def test_count_from_shards_and_roundtrip(tmp_path):
-    from eagle3_platform.draft.synthetic import random_features
+    from eagle3_platform.testing.synthetic import random_features
 
     meta = {"target_id": "t", "weights_hash": "h", "capture_layer_ids": [1, 2, 3]}
     d = random_features(tmp_path / "f", meta, vocab_size=50, hidden_size=8, n_samples=5, seq_len=20)

@@ -37,9 +37,9 @@ def gcs_emulator():
 
 @pytest.fixture()
 def gcs_resource(gcs_emulator, tmp_path, request):
-    from resources import GCSStorageResource
+    from resources import StorageResource
 
-    return GCSStorageResource(bucket=BUCKET, prefix=f"t/{request.node.name}", work_dir=str(tmp_path / "work"))
+    return StorageResource(root=f"gs://{BUCKET}/t/{request.node.name}", work_dir=str(tmp_path / "work"))
 
 
 def test_gcs_resource_round_trip(gcs_resource, tmp_path):

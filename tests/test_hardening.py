@@ -17,7 +17,7 @@ from starlette.testclient import TestClient
 from eagle3_platform.cli import main
 from eagle3_platform.serve.config import ServeConfig
 from eagle3_platform.serve.server import build_app
-from eagle3_platform.serve.testing import FakeEngine, word_token_ids
+from eagle3_platform.testing.serve import FakeEngine, word_token_ids
 from eagle3_platform.target import tiny_tokenizer
 
 CHAT = "/v1/chat/completions"
@@ -70,7 +70,7 @@ def write_conv(path: Path, recs) -> Path:
 
 @pytest.fixture(scope="module")
 def feats(tiny_target_dir, tmp_path_factory):
-    from eagle3_platform.draft.synthetic import target_features
+    from eagle3_platform.testing.synthetic import target_features
 
     return target_features(tiny_target_dir, tmp_path_factory.mktemp("hard") / "f", n_samples=4,
                            min_len=8, max_len=16)
@@ -166,9 +166,9 @@ def test_feature_shards_asset_fails_instead_of_materializing(tiny_target, tiny_t
 
     from assets.partitions import SPLITS, Keys
     from dagster_helpers import GRAPH, tiny_resources
-    from resources import LocalStorageResource
+    from resources import StorageResource
 
-    storage = LocalStorageResource(root=str(tmp_path / "data"))
+    storage = StorageResource(root=str(tmp_path / "data"))
     for split in SPLITS:
         write_conv(storage.local_path(Keys.conversations("chat", split)),
                    conversations(tiny_target, 2, target_id="other-model"))
@@ -196,9 +196,9 @@ def test_draft_assets_fail_on_empty_features(tiny_target_dir, tmp_path):
     from eagle3_platform.draft.model import target_hf_config
     from eagle3_platform.draft.vocab import build_vocab, save_vocab
     from eagle3_platform.features.shards import write_manifest
-    from resources import LocalStorageResource
+    from resources import StorageResource
 
-    storage = LocalStorageResource(root=str(tmp_path / "data"))
+    storage = StorageResource(root=str(tmp_path / "data"))
     res = tiny_resources(storage, tiny_target_dir)
     for split in SPLITS:
         d = storage.local_path(Keys.features("chat", split))

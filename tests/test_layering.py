@@ -37,6 +37,16 @@ def test_library_never_imports_dagster_side():
     assert not offenders, f"eagle3_platform must not import the Dagster layer: {offenders}"
 
 
+def test_test_doubles_stay_out_of_production():
+    """eagle3_platform.testing (fakes, oracle drafter, synthetic data) is for tests and scripts only."""
+    production = [*(ROOT / "eagle3_platform").rglob("*.py"), *(ROOT / "assets").rglob("*.py"),
+                  *(ROOT / "resources").rglob("*.py"), ROOT / "definitions.py", ROOT / "pipeline.py"]
+    offenders = {str(py.relative_to(ROOT)): sorted(m for m in imported_modules(py) if m.startswith("eagle3_platform.testing"))
+                 for py in production if "testing" not in py.relative_to(ROOT).parts}
+    offenders = {k: v for k, v in offenders.items() if v}
+    assert not offenders, f"production code imports test doubles: {offenders}"
+
+
 def test_dagster_layer_builds_on_the_library():
     for pkg in ("assets", "resources"):
         files = sorted((ROOT / pkg).rglob("*.py"))

@@ -4,7 +4,7 @@ import pytest
 from dagster import AssetKey, AssetMaterialization, AssetObservation, DagsterInstance, MetadataValue
 
 import pipeline
-from resources import LocalStorageResource
+from resources import StorageResource
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def observed(instance, workload, version):
 
 
 def test_missing_or_stale_from_the_instance_records(graph, instance, tmp_path):
-    storage = LocalStorageResource(root=str(tmp_path))
+    storage = StorageResource(root=str(tmp_path))
     prompts, responses = AssetKey("filtered_prompts"), AssetKey("target_responses")
 
     def reason(key):

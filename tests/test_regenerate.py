@@ -227,10 +227,11 @@ class FakeOpenAI:
                     srv.requests.append({**body, "auth": self.headers.get("Authorization")})
                 try:
                     time.sleep(srv.delay_s)
-                    self._send(*((503, {"error": "overloaded"}) if fail else srv.answer(body)))
+                    reply = (503, {"error": "overloaded"}) if fail else srv.answer(body)
                 finally:
-                    with srv.lock:
+                    with srv.lock:  # before answering: a client may send its next request at once
                         srv.inflight -= 1
+                self._send(*reply)
 
         return H
 

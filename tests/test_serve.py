@@ -13,7 +13,7 @@ from starlette.testclient import TestClient
 
 from eagle3_platform.serve.config import ServeConfig
 from eagle3_platform.serve.server import build_app
-from eagle3_platform.serve.testing import FakeEngine, word_token_ids
+from eagle3_platform.testing.serve import FakeEngine, word_token_ids
 from eagle3_platform.serve.text import TextStream
 from eagle3_platform.target import tiny_tokenizer
 
@@ -323,7 +323,7 @@ def test_client_disconnect_cancels_running_and_queued_jobs(tok, stream):
 def test_subprocess_server_clean_shutdown_with_inflight_request(tmp_path, sig):
     from eagle3_platform.serve.launch import spawn_server
 
-    cmd = [sys.executable, "-m", "eagle3_platform.serve.testing", "--delay-s", "0.05",
+    cmd = [sys.executable, "-m", "eagle3_platform.testing.serve", "--delay-s", "0.05",
            "--chunk", "1"]
     h = spawn_server(cmd, api_key="k", log_path=tmp_path / "server.log", timeout=60)
     got = {}
@@ -355,7 +355,7 @@ def test_subprocess_server_clean_shutdown_with_inflight_request(tmp_path, sig):
 
 @pytest.fixture(scope="module")
 def tiny_export(tiny_target_dir, tmp_path_factory):
-    from eagle3_platform.serve.testing import random_export
+    from eagle3_platform.testing.serve import random_export
     return random_export(tiny_target_dir, tmp_path_factory.mktemp("draft") / "export")
 
 

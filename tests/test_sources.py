@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from eagle3_platform.data import sources as S
-from eagle3_platform.data.sources_keys import decontam_key, normalise
-from eagle3_platform.data.sources_pkg import (HUMANEVAL_FILE, MTBENCH_FILE, fit_paragraphs, package_dir,
+import eagle3_platform.data.sources as S
+from eagle3_platform.data.sources.decontam import decontam_key, normalise
+from eagle3_platform.data.sources.pkg import (HUMANEVAL_FILE, MTBENCH_FILE, fit_paragraphs, package_dir,
                                               package_file)
-from eagle3_platform.data.sources_sharegpt import iter_json_array, kept_turns, looks_like_code, route
+from eagle3_platform.data.sources.sharegpt import iter_json_array, kept_turns, looks_like_code, route
 from eagle3_platform.records import WORKLOADS, read_jsonl
 
 FEW = 6

@@ -14,7 +14,7 @@ import torch
 
 from eagle3_platform.spec.config import PRESETS, SpecConfig
 from eagle3_platform.spec.engine import SpecEngine
-from eagle3_platform.spec.oracle import OracleDrafter
+from eagle3_platform.testing.oracle import OracleDrafter
 
 pytestmark = pytest.mark.e2e
 

@@ -6,9 +6,9 @@ import torch
 
 from eagle3_platform.spec.config import PRESETS, SpecConfig
 from eagle3_platform.spec.engine import SpecEngine
-from eagle3_platform.spec.oracle import OracleDrafter
-from eagle3_platform.spec.testing import random_draft as make_random_draft
-from eagle3_platform.spec.testing import varied_target
+from eagle3_platform.testing.oracle import OracleDrafter
+from eagle3_platform.testing.spec import random_draft as make_random_draft
+from eagle3_platform.testing.spec import varied_target
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -36,7 +36,7 @@ def hf_greedy(target, ids, max_new, eos_ids):
 
 @pytest.fixture(scope="module")
 def target(tiny_target):
-    """Tiny Llama with the tiny tokenizer whose greedy output varies (see spec/testing.py)."""
+    """Tiny Llama with the tiny tokenizer whose greedy output varies (see eagle3_platform/testing/spec.py)."""
     return varied_target(tiny_target)
 
 

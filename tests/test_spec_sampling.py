@@ -10,7 +10,7 @@ import torch
 from eagle3_platform.spec.config import SpecConfig
 from eagle3_platform.spec.engine import SpecEngine
 from eagle3_platform.spec.sampling import verify_sampling
-from eagle3_platform.spec.testing import VariedTargetConfig, random_draft, varied_target
+from eagle3_platform.testing.spec import VariedTargetConfig, random_draft, varied_target
 from eagle3_platform.spec.tree import Tree
 
 

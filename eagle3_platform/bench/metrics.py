@@ -13,6 +13,7 @@ import math
 import statistics
 from typing import Iterable, Sequence
 
+from eagle3_platform.draft.metrics import acceptance_length
 from eagle3_platform.serve.sglang import spec_accept_length
 
 
@@ -61,7 +62,7 @@ def aggregate(records: Sequence[dict], wall_s: float | None = None) -> dict:
         "output_tok_per_s": tokens / wall_s if wall_s else None,
         "accepted_tokens": accepted,
         "verify_steps": steps,
-        "tau": accepted / steps if steps else None,
+        "tau": acceptance_length(accepted, steps),
         "tau_source": "requests" if steps else None,
     }
 
@@ -88,7 +89,7 @@ def tau_between(before: dict | None, after: dict | None) -> tuple[float | None, 
     if before and all(k in before and k in after for k in keys):
         steps = after["spec_verify_steps"] - before["spec_verify_steps"]
         acc = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
-        return (acc / steps, "server_info_delta") if steps > 0 else (None, None)
+        return (acceptance_length(acc, steps), "server_info_delta") if steps > 0 else (None, None)
     tau = spec_accept_length(after)
     if tau is None:
         return None, None

@@ -11,6 +11,8 @@ import json
 import os
 from pathlib import Path
 
+from eagle3_platform.draft.metrics import acceptance_length
+
 ALL = "all"
 PLOTS = {
     "tpot_vs_concurrency.png": ("median_tpot_s", 1000.0, "median TPOT (ms)"),
@@ -88,7 +90,7 @@ def tau_per_workload(results: dict, endpoint: str = "eagle3") -> dict[str, float
                 acc[1] += cell["verify_steps"]
             elif cell.get("tau") is not None:
                 means.setdefault(w, []).append(cell["tau"])
-    out = {w: a / s for w, (a, s) in pooled.items() if s}
+    out = {w: acceptance_length(a, s) for w, (a, s) in pooled.items() if s}
     out.update({w: sum(v) / len(v) for w, v in means.items() if w not in out})
     return out
 

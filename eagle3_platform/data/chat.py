@@ -69,6 +69,18 @@ def end_of_turn(tokenizer) -> str:
     return _EOT_MEMO[key]
 
 
+def eos_token_ids(tokenizer, model=None) -> set[int]:
+    """THE end-of-answer rule, shared by regeneration and the decoding engine: the template's own
+    end-of-turn token (probed by `end_of_turn`) plus every eos id the tokenizer, the model config and
+    its generation config declare (the template's token alone would miss a declared `<|endoftext|>`).
+    Without a tokenizer (a bare model in tests) only the model's declared ids remain."""
+    ids = set() if tokenizer is None else {tokenizer.convert_tokens_to_ids(end_of_turn(tokenizer))}
+    declared = (tokenizer, getattr(model, "config", None), getattr(model, "generation_config", None))
+    for value in (getattr(d, "eos_token_id", None) for d in declared):
+        ids.update([value] if isinstance(value, int) else (value or []))
+    return ids
+
+
 def _probe_end_of_turn(tokenizer) -> str:
     probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": SENTINEL}]
     text = apply_template(tokenizer, probe)

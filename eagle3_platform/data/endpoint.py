@@ -2,13 +2,11 @@
 
 Transient failures (connection errors, timeouts, 429, 5xx) are retried with exponential backoff; any
 other 4xx is the request's fault and raised as `EndpointRequestError` so the caller can reject that one
-conversation. `run_endpoint` is regeneration's endpoint back end: a pool of `concurrency` worker threads,
-one conversation per task, its turns asked in order; rows are written from the calling thread only.
+conversation. Regeneration's endpoint back end (`regenerate.run_endpoint`) drives it.
 """
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
 
@@ -99,48 +97,3 @@ def served_model(endpoint: str, fallback: str, api_key: str | None = None, timeo
         return data[0]["id"] if r.status_code == 200 and data else fallback
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return fallback
-
-
-def run_endpoint(endpoint: str, convos: list, turns, cfg, done: set[str], emit,
-                 meta: dict, api_key: str | None) -> None:
-    """At most cfg.concurrency conversations in flight; each one asks its turns in order."""
-    from eagle3_platform.data.chat import encode
-    from eagle3_platform.data.regenerate import turn_seed
-
-    model = served_model(endpoint, meta["target_id"], api_key)
-    client = ChatClient(endpoint, model, api_key, cfg.request_timeout_s, cfg.max_retries, cfg.backoff_s)
-    temperature = cfg.temperature if cfg.do_sample else 0.0
-
-    def converse(c):
-        for k in range(len(c.segments) if c.reject is None else 0):
-            with turns.lock:  # tokenizer + template rendering stay on one thread at a time
-                nxt = turns.next(c, k)
-            if nxt is None:
-                break
-            msgs, _, budget = nxt
-            try:
-                reply = client.chat(msgs, budget, temperature, cfg.top_p,
-                                    turn_seed(cfg.seed, c.rec.id, k) if cfg.do_sample else None)
-            except EndpointRequestError as e:
-                c.reject = f"endpoint:{e.status}"
-                break
-            n = reply.completion_tokens
-            if n is None:
-                with turns.lock:
-                    n = len(encode(turns.tok, reply.content))
-            turns.answer(c, msgs, reply.content, reply.finish_reason, n)
-        return c
-
-    todo = [c for c in convos if c.rec.id not in done]
-    try:
-        with ThreadPoolExecutor(max_workers=cfg.concurrency) as pool:
-            futures = [pool.submit(converse, c) for c in todo]
-            try:
-                for f in as_completed(futures):
-                    emit(f.result())  # written from this thread only: the appenders are not shared
-            except BaseException:
-                for f in futures:
-                    f.cancel()
-                raise
-    finally:
-        client.close()

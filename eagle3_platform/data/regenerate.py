@@ -24,10 +24,12 @@ import sys
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from eagle3_platform.data.chat import BoundaryError, end_of_turn, render, render_prompt, template_hash
+from eagle3_platform.data.chat import BoundaryError, encode, eos_token_ids, render, render_prompt, template_hash
+from eagle3_platform.data.endpoint import ChatClient, EndpointRequestError, served_model
 from eagle3_platform.records import (BadRecord, ConversationRecord, JsonlAppender, PromptRecord, Rejection,
                                      ignored_summary, line_rejection, parse_line, prompt_from_row, read_jsonl,
                                      read_lines, top_reasons, unknown_keys, usable_id)
@@ -117,12 +119,11 @@ class Turns:
     def __init__(self, tokenizer, cfg: RegenConfig):
         self.tok, self.cfg = tokenizer, cfg
         self.lock = threading.Lock()  # endpoint workers share the tokenizer
-        eot = end_of_turn(tokenizer)
         # tokens the template writes after an answer (EOT + newline): reserved inside max_length
         probe = render_prompt(tokenizer, [{"role": "user", "content": "hi"}])
         self.trailer = len(render(tokenizer, [{"role": "user", "content": "hi"},
                                               {"role": "assistant", "content": ""}])[0]) - len(probe)
-        self.stop_ids = {tokenizer.convert_tokens_to_ids(eot)} | _eos_ids(tokenizer)
+        self.stop_ids = eos_token_ids(tokenizer)
 
     def next(self, c: Convo, k: int) -> tuple[list[dict], list[int], int] | None:
         """(messages, prompt ids, max new tokens) for turn k, or None when the budget is spent."""
@@ -141,11 +142,6 @@ class Turns:
         c.history = msgs + [{"role": "assistant", "content": content}]
         c.finish.append(finish)
         c.new_tokens.append(n_tokens)
-
-
-def _eos_ids(tokenizer) -> set[int]:
-    eos = tokenizer.eos_token_id
-    return set() if eos is None else set(eos if isinstance(eos, list) else [eos])
 
 
 def scan_reason(scanner, texts: list[str], allowed: tuple[str, ...] = ()) -> str | None:
@@ -257,8 +253,6 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
 
         turns = Turns(tok, cfg)
         if endpoint:
-            from eagle3_platform.data.endpoint import run_endpoint
-
             run_endpoint(endpoint, convos, turns, cfg, done, emit, meta, api_key)
         else:
             run_local(target_dir, convos, turns, cfg, done, emit)
@@ -381,6 +375,50 @@ def run_local(target_dir, convos: list[Convo], turns: Turns, cfg: RegenConfig, d
         for c in batch:
             if c.rec.id not in done:
                 emit(c)
+
+
+def run_endpoint(endpoint: str, convos: list[Convo], turns: Turns, cfg: RegenConfig, done: set[str], emit,
+                 meta: dict, api_key: str | None) -> None:
+    """The endpoint back end: a pool of cfg.concurrency worker threads, one conversation per task, its
+    turns asked in order; rows are written from the calling thread only (the appenders are not shared)."""
+    model = served_model(endpoint, meta["target_id"], api_key)
+    client = ChatClient(endpoint, model, api_key, cfg.request_timeout_s, cfg.max_retries, cfg.backoff_s)
+    todo = [c for c in convos if c.rec.id not in done]
+    try:
+        with ThreadPoolExecutor(max_workers=cfg.concurrency) as pool:
+            futures = [pool.submit(converse, client, c, turns, cfg) for c in todo]
+            try:
+                for f in as_completed(futures):
+                    emit(f.result())
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
+    finally:
+        client.close()
+
+
+def converse(client: ChatClient, c: Convo, turns: Turns, cfg: RegenConfig) -> Convo:
+    """Asks the endpoint for each turn of one conversation in order (a worker thread)."""
+    temperature = cfg.temperature if cfg.do_sample else 0.0
+    for k in range(len(c.segments) if c.reject is None else 0):
+        with turns.lock:  # tokenizer + template rendering stay on one thread at a time
+            nxt = turns.next(c, k)
+        if nxt is None:
+            break
+        msgs, _, budget = nxt
+        try:
+            reply = client.chat(msgs, budget, temperature, cfg.top_p,
+                                turn_seed(cfg.seed, c.rec.id, k) if cfg.do_sample else None)
+        except EndpointRequestError as e:
+            c.reject = f"endpoint:{e.status}"
+            break
+        n = reply.completion_tokens
+        if n is None:
+            with turns.lock:
+                n = len(encode(turns.tok, reply.content))
+        turns.answer(c, msgs, reply.content, reply.finish_reason, n)
+    return c
 
 
 def plan_batches(plan: list, prompt_lengths: list[int], cfg: RegenConfig, budget: int) -> list[list]:

@@ -13,7 +13,6 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from eagle3_platform.draft.model import DraftConfig, Eagle3Draft, build_draft
@@ -180,8 +179,3 @@ def load_export(export_dir, target_or_dir) -> Eagle3Draft:
             draft.embed_tokens.weight.copy_(model.get_input_embeddings().weight.float())
     draft.load_head_state_dict(sd)
     return draft.eval()
-
-
-def export_header(export_dir) -> dict:
-    with safe_open(str(Path(export_dir) / WEIGHTS_FILE), framework="pt") as f:
-        return {"keys": sorted(f.keys()), "metadata": f.metadata()}

@@ -19,9 +19,9 @@ def simulated_acceptance(acc: Sequence[float]) -> float:
     return total
 
 
-def acceptance_length(generated_tokens: int, verify_steps: int) -> float:
+def acceptance_length(generated_tokens: float, verify_steps: float) -> float | None:
     """τ = generated tokens / verify steps (includes the bonus token; SGLang's definition).
-    0.0 when nothing was verified yet."""
+    None when nothing was verified yet (τ is undefined there, not 0)."""
     if generated_tokens < 0 or verify_steps < 0:
         raise ValueError("generated_tokens and verify_steps must be non-negative")
-    return generated_tokens / verify_steps if verify_steps else 0.0
+    return generated_tokens / verify_steps if verify_steps else None

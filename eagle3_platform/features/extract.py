@@ -12,9 +12,7 @@ Accounting: read = samples in shards + rejected (rejected.jsonl, each with a rea
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import sys
 import time
 from collections import Counter
@@ -29,7 +27,7 @@ from eagle3_platform.features.shards import (MANIFEST, ShardError, check_shard, 
                                              read_manifest, rows_from_shards, shard_name,
                                              write_manifest, write_shard)
 from eagle3_platform.records import ConversationRecord, Rejection, top_reasons, write_jsonl_atomic
-from eagle3_platform.storage import Storage, storage_from_uri
+from eagle3_platform.storage import Mirror, Storage, storage_from_uri
 from eagle3_platform.target import Target, load_target
 
 REJECTED = "rejected.jsonl"
@@ -169,23 +167,20 @@ def compute_features(target: Target, samples: list[dict], cfg: FeatureConfig) ->
 # ---------------------------------------------------------------- where shards go
 
 class _Sink:
-    """Local feature dir, optionally mirrored to a Storage under a key prefix (scratch + upload)."""
+    """The local feature dir, optionally mirrored to a Storage under a key prefix (scratch + upload)."""
 
-    def __init__(self, local: Path, storage: Storage | None, prefix: str):
-        self.local, self.storage, self.prefix = local, storage, prefix.strip("/")
+    def __init__(self, local: Path, mirror: Mirror | None):
+        self.local, self.mirror = local, mirror
         local.mkdir(parents=True, exist_ok=True)
-
-    def key(self, name: str) -> str:
-        return f"{self.prefix}/{name}" if self.prefix else name
 
     def uri(self, name: str) -> str:
         # local dirs: the key relative to the manifest, so a dir can be moved/copied and stays valid
-        return self.storage.uri(self.key(name)) if self.storage else name
+        return self.mirror.uri(name) if self.mirror else name
 
     def previous_rows(self) -> dict[str, dict]:
         """Manifest rows of the last run (stored copy wins when mirrored)."""
-        if self.storage and self.storage.exists(self.key(MANIFEST)):
-            self.storage.get_file(self.key(MANIFEST), self.local / MANIFEST)
+        if self.mirror and self.mirror.exists(MANIFEST):
+            self.mirror.fetch(MANIFEST)
         if not (self.local / MANIFEST).exists():
             return {}
         try:
@@ -199,17 +194,17 @@ class _Sink:
     def fetch(self, name: str, row: dict) -> bool:
         """Make the stored shard available locally; False when it is not stored."""
         path = self.local / name
-        if not self.storage:
+        if not self.mirror:
             return path.exists()
-        if not self.storage.exists(self.key(name)):
+        if not self.mirror.exists(name):
             return False
         if not (path.exists() and path.stat().st_size == row["bytes"]):
-            self.storage.get_file(self.key(name), path)
+            self.mirror.fetch(name)
         return True
 
     def publish(self, name: str) -> None:
-        if self.storage:
-            self.storage.put_file(self.local / name, self.key(name))
+        if self.mirror:
+            self.mirror.publish(name)
 
 
 def _reusable(sink: _Sink, name: str, row: dict | None, header: dict, ids: list[str]) -> bool:
@@ -226,13 +221,13 @@ def _reusable(sink: _Sink, name: str, row: dict | None, header: dict, ids: list[
 
 # ---------------------------------------------------------------- the job
 
-def _resolve_out(out_dir: str | Path, storage: Storage | None, prefix: str) -> tuple[Path, Storage | None, str]:
+def _sink(out_dir: str | Path, storage: Storage | None, prefix: str) -> _Sink:
+    """`gs://bucket/path` → its local working copy, mirrored; a local dir → itself, or mirrored to
+    `storage/prefix` when a storage is given (out_dir is then only the scratch copy)."""
     if storage is None and str(out_dir).startswith("gs://"):
-        uri = str(out_dir)
-        storage = storage_from_uri(uri)
-        scratch = Path(os.environ.get("EAGLE3_SCRATCH", Path.home() / ".cache" / "eagle3" / "scratch"))
-        return scratch / f"features-{hashlib.sha256(uri.encode()).hexdigest()[:16]}", storage, ""
-    return Path(out_dir), storage, prefix
+        mirror = Mirror(storage_from_uri(str(out_dir)))
+        return _Sink(mirror.root, mirror)
+    return _Sink(Path(out_dir), Mirror(storage, out_dir, prefix) if storage else None)
 
 
 def extract_file(target_dir: str | Path, conv_path: str | Path, out_dir: str | Path,
@@ -246,8 +241,8 @@ def extract_file(target_dir: str | Path, conv_path: str | Path, out_dir: str | P
         device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         target = load_target(target_dir, dtype=cfg.target_dtype, device=device)
     header = target_header(target, cfg)
-    local, storage, prefix = _resolve_out(out_dir, storage, prefix)
-    sink = _Sink(local, storage, prefix)
+    sink = _sink(out_dir, storage, prefix)
+    local = sink.local
     samples, rejected, stats = load_records(conv_path, header, cfg.max_length, target.meta["vocab_size"])
     write_jsonl_atomic(local / REJECTED, rejected)
     sink.publish(REJECTED)
@@ -334,6 +329,6 @@ def _summary(sink, header, stats, rows, rejected, written, skipped, seconds) -> 
             "by_reason": by_reason, "truncated": stats["truncated"], "shards": len(rows),
             "shards_written": len(written), "shards_skipped": len(skipped), "tokens": tokens,
             "bytes": nbytes, "bytes_per_token": round(nbytes / tokens, 1) if tokens else None,
-            "manifest": sink.uri(MANIFEST) if sink.storage else str(sink.local / MANIFEST),
-            "out": sink.uri("") if sink.storage else str(sink.local),
+            "manifest": sink.uri(MANIFEST) if sink.mirror else str(sink.local / MANIFEST),
+            "out": sink.uri("") if sink.mirror else str(sink.local),
             "header": header, "seconds": round(seconds, 2)}

@@ -32,7 +32,6 @@ HEADER_KEYS = ("target_id", "weights_hash", "capture_layer_ids", "template_hash"
                "max_length", "dtype", "compute_dtype", "format_version")
 COMPAT_KEYS = tuple(k for k in HEADER_KEYS if k != "max_length")
 IDS_KEY = "sample_ids"  # header: JSON list of record ids, one per sample
-TENSORS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden", "offsets")
 
 
 class ShardError(ValueError):

@@ -139,4 +139,3 @@ def _wait_ready(ready: Path, proc: subprocess.Popen, timeout: float, log_path: P
         time.sleep(POLL_S)
     raise TimeoutError(f"eagle3 serve did not bind within {timeout:.0f}s; log tail:\n"
                        f"{log_tail(log_path)}")
-start_server = start_embedded_server  # the name in the team API map

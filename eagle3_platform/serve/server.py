@@ -26,6 +26,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from eagle3_platform.draft.metrics import acceptance_length
 from eagle3_platform.serve import protocol as P
 from eagle3_platform.serve.config import PRESETS, ServeConfig  # noqa: F401  (PRESETS: preset lookup)
 from eagle3_platform.serve.text import TextStream
@@ -310,7 +311,7 @@ class Service:
 
     def server_info_dict(self) -> dict:
         t = self.worker.totals
-        tau = t.accepted_tokens / t.verify_steps if t.verify_steps else None
+        tau = acceptance_length(t.accepted_tokens, t.verify_steps)
         return {
             **self.info,
             "model": self.model_name,

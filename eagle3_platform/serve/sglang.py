@@ -79,12 +79,17 @@ class SGLangConfig:
             raise ValueError(f"num_draft_tokens {n} exceeds the tree size 1 + topk*steps = {1 + k * s}")
 
     @classmethod
-    def from_spec(cls, model_path: str, draft_path: str | None, spec, **kw) -> "SGLangConfig":
-        """From the engine's SpecConfig, so the embedded and the SGLang deployment match."""
-        if draft_path is None or not spec.speculative:
-            return cls(model_path=model_path, draft_path=draft_path, **kw)
-        return cls(model_path=model_path, draft_path=draft_path, num_steps=spec.num_steps,
-                   eagle_topk=spec.eagle_topk, num_draft_tokens=spec.num_draft_tokens, **kw)
+    def from_spec(cls, model_path: str, draft_path: str | None, spec, num_steps: int | None = None,
+                  eagle_topk: int | None = None, num_draft_tokens: int | None = None, **kw) -> "SGLangConfig":
+        """THE speculative-settings merge: the three ints given (all or none), else the engine's
+        SpecConfig's, so the embedded and the SGLang deployment draft alike. The baseline (no draft)
+        gets none."""
+        ints = (num_steps, eagle_topk, num_draft_tokens)
+        if draft_path is None:
+            ints = (None, None, None)
+        elif all(v is None for v in ints) and spec.speculative:
+            ints = (spec.num_steps, spec.eagle_topk, spec.num_draft_tokens)
+        return cls(model_path, draft_path, *ints, **kw)
 
     @property
     def url(self) -> str:
@@ -209,13 +214,10 @@ def start_sglang_server(target_dir, draft_dir=None, host: str = "127.0.0.1", por
     """Launch SGLang on a prepared target (+ EAGLE-3 export) and wait for /health.
     With a draft and none of the three speculative ints, the engine preset `spec` supplies them,
     so SGLang drafts exactly like the embedded engine."""
-    port = port or free_port(host)
-    common = dict(host=host, port=port, mem_fraction_static=mem_fraction_static,
-                  extra_args=tuple(extra_args))
-    if draft_dir is not None and num_steps is None and eagle_topk is None and num_draft_tokens is None:
-        from eagle3_platform.spec.config import get_preset
-        cfg = SGLangConfig.from_spec(str(target_dir), str(draft_dir), get_preset(spec), **common)
-    else:
-        cfg = SGLangConfig(str(target_dir), None if draft_dir is None else str(draft_dir),
-                           num_steps, eagle_topk, num_draft_tokens, **common)
+    from eagle3_platform.spec.config import get_preset
+
+    draft = None if draft_dir is None else str(draft_dir)
+    cfg = SGLangConfig.from_spec(str(target_dir), draft, get_preset(spec), num_steps, eagle_topk, num_draft_tokens,
+                                 host=host, port=port or free_port(host), mem_fraction_static=mem_fraction_static,
+                                 extra_args=tuple(extra_args))
     return SGLangServer(cfg, log_path=log_path, api_key=api_key).start(timeout)

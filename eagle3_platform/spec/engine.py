@@ -19,13 +19,14 @@ from typing import Iterator, Sequence
 
 import torch
 
+from eagle3_platform.data.chat import eos_token_ids
 from eagle3_platform.draft.metrics import acceptance_length
 from eagle3_platform.features.capture import forward_capture
 from eagle3_platform.kv_cache import GrowingCache
 from eagle3_platform.spec.config import PRESETS, SpecConfig
 from eagle3_platform.spec.drafter import EagleDrafter
 from eagle3_platform.spec.sampling import greedy, target_probs, verify_greedy, verify_sampling
-from eagle3_platform.spec.stops import Finisher, eos_token_ids
+from eagle3_platform.spec.stops import Finisher
 from eagle3_platform.spec.tree import (Tree, keep_path_in_cache, root_only, tree_attention_mask,
                                        tree_positions)
 
@@ -50,7 +51,7 @@ class SpecEngine:
         # the head reads the layers it was trained on (its config), else the target's capture layers
         head_layers = getattr(getattr(draft, "cfg", None), "aux_layer_ids", None)
         self.layer_ids = list(head_layers or target.meta["capture_layer_ids"])
-        self.eos_ids = eos_token_ids(self.model, target.tokenizer)
+        self.eos_ids = eos_token_ids(target.tokenizer, self.model)
         self.last_stats: dict = {}
 
     # ---- public API -------------------------------------------------------------------------------

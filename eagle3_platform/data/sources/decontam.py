@@ -14,10 +14,9 @@ import string
 import sys
 import unicodedata
 from pathlib import Path
-
-from eagle3_platform.paths import cache_root
 from typing import Callable
 
+from eagle3_platform.paths import cache_root
 from eagle3_platform.records import sha256_file
 
 

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
-from eagle3_platform.data.sources_pkg import Item
+from eagle3_platform.data.sources.pkg import Item
 from eagle3_platform.records import BadRecord, parse_line
 
 EXTRA_ENV = "EAGLE3_EXTRA_SOURCES"

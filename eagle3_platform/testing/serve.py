@@ -1,7 +1,7 @@
 """A deterministic stand-in engine for server/bench tests (no torch, no model).
 
 `FakeEngine` implements the SpecEngine surface the server uses: `.stream(...)` yielding chunks of
-token ids and `last_stats` after the stream ends. `python -m eagle3_platform.serve.testing` serves it
+token ids and `last_stats` after the stream ends. `python -m eagle3_platform.testing.serve` serves it
 over HTTP exactly like `eagle3 serve` (same app, same shutdown path) so subprocess tests are fast.
 """
 from __future__ import annotations
@@ -12,6 +12,8 @@ import random
 import time
 from pathlib import Path
 from typing import Iterator, Sequence
+
+from eagle3_platform.draft.metrics import acceptance_length
 
 
 class FakeEngine:
@@ -45,7 +47,7 @@ class FakeEngine:
                 time.sleep(self.delay_s)
             yield out
         self.last_stats = {"generated_tokens": produced, "verify_steps": steps,
-                           "acceptance_length": (produced - 1) / max(steps, 1),
+                           "acceptance_length": acceptance_length(max(produced - 1, 0), steps),
                            "finish_reason": "length"}
 
     def generate(self, input_ids, max_new_tokens, temperature=0.0, stop=(), seed=None):
@@ -84,10 +86,11 @@ def random_export(target_dir, out_dir, draft_vocab_size: int = 64, seed: int = 0
 
 
 def main(argv=None) -> int:
+    import os
+
     from eagle3_platform.serve.config import PRESETS
     from eagle3_platform.serve.server import API_KEY_ENV, build_app, run_server
     from eagle3_platform.target import tiny_tokenizer
-    import os
 
     ap = argparse.ArgumentParser(description="serve the fake engine (tests)")
     ap.add_argument("--port", type=int, default=0)
