@@ -27,3 +27,10 @@ def summary_metadata(summary: dict, prefix: str = "") -> dict:
         else:
             out[name] = MetadataValue.json(json.loads(json.dumps(v, default=str)))
     return out
+
+
+def check_accounting(summary: dict, kept: str, where: str) -> dict:
+    """A stage's books must balance (kept or written + rejected == read) before anything is published."""
+    if summary[kept] + summary["rejected"] != summary["read"]:
+        raise RuntimeError(f"{where}: {kept} + rejected != read: {summary}")
+    return summary

@@ -15,35 +15,23 @@ workload_partitions = StaticPartitionsDefinition(list(WORKLOADS))
 SPLITS = ("train", "eval")
 
 
+def _per_split(template: str):
+    """A key function (workload, split="train") -> "<workload>/<template with {split}>"."""
+    return staticmethod(lambda workload, split="train": f"{workload}/{template.format(split=split)}")
+
+
 class Keys:
     """Storage keys (relative, '/'-separated) for every artifact in the graph.
 
     The eval split (held-out slice + MT-bench) flows through the same steps as its own table, so the
     draft head can be scored on held-out features and the benchmark can use held-out prompts."""
 
-    @staticmethod
-    def raw(workload: str, split: str = "train") -> str:
-        return f"{workload}/sources/{split}.jsonl"
-
-    @staticmethod
-    def kept(workload: str, split: str = "train") -> str:
-        return f"{workload}/filtered_prompts/{split}/kept.jsonl"
-
-    @staticmethod
-    def rejected(workload: str, split: str = "train") -> str:
-        return f"{workload}/filtered_prompts/{split}/rejected.jsonl"
-
-    @staticmethod
-    def conversations(workload: str, split: str = "train") -> str:
-        return f"{workload}/target_responses/{split}/conversations.jsonl"
-
-    @staticmethod
-    def responses_rejected(workload: str, split: str = "train") -> str:
-        return f"{workload}/target_responses/{split}/rejected.jsonl"
-
-    @staticmethod
-    def features(workload: str, split: str = "train") -> str:
-        return f"{workload}/features/{split}"
+    raw = _per_split("sources/{split}.jsonl")
+    kept = _per_split("filtered_prompts/{split}/kept.jsonl")
+    rejected = _per_split("filtered_prompts/{split}/rejected.jsonl")
+    conversations = _per_split("target_responses/{split}/conversations.jsonl")
+    responses_rejected = _per_split("target_responses/{split}/rejected.jsonl")
+    features = _per_split("features/{split}")
 
     VOCAB = "draft/vocab"
     DRAFT = "draft/checkpoint"

@@ -4,7 +4,7 @@ decontaminated against the eval table. Both splits are produced: `train` (decont
 
 from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
 
-from assets.metadata import md_table
+from assets.metadata import check_accounting, md_table
 from assets.partitions import SPLITS, Keys, workload_partitions
 from assets.sensors import REBUILD_WHEN_UPSTREAM_CHANGED
 from assets.sources import workload_sources
@@ -24,8 +24,7 @@ def _filter_split(context, w: str, split: str, storage, target, preset, compute)
         in_path=str(raw), out=str(kept), rejected=str(rej), policy=POLICY, target=str(target.dir()),
         max_length=target.max_length, decontaminate=split == "train", preset=preset.name))
     raw.unlink(missing_ok=True)  # raw source text may hold PII: never stored
-    if summary["kept"] + summary["rejected"] != summary["read"]:
-        raise RuntimeError(f"{w}/{split}: kept + rejected != read: {summary}")
+    check_accounting(summary, "kept", f"{w}/{split}")
     summary["kept_uri"] = storage.publish_from(kept, Keys.kept(w, split))
     summary["rejected_uri"] = storage.publish_from(rej, Keys.rejected(w, split))
     return summary

@@ -3,7 +3,7 @@ records carry input_ids + loss_mask (response tokens only), template hash and ta
 
 from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
 
-from assets.metadata import summary_metadata
+from assets.metadata import check_accounting, summary_metadata
 from assets.partitions import SPLITS, Keys, workload_partitions
 from assets.sensors import REBUILD_WHEN_UPSTREAM_CHANGED
 from assets.prompts import filtered_prompts
@@ -24,8 +24,7 @@ def _regen_split(context, w: str, split: str, storage, target, preset, compute) 
     summary = compute.run(context, RegenerateRequest(
         target=str(target.dir()), in_path=str(kept), out=str(out), rejected=str(rej), preset=preset.name,
         max_length=target.max_length, endpoint=target.endpoint, **preset.compute()))
-    if summary["written"] + summary["rejected"] != summary["read"]:
-        raise RuntimeError(f"{w}/{split}: written + rejected != read: {summary}")
+    check_accounting(summary, "written", f"{w}/{split}")
     summary["uri"] = storage.publish_from(out, Keys.conversations(w, split))
     summary["rejected_uri"] = storage.publish_from(rej, Keys.responses_rejected(w, split))
     return summary
