@@ -467,3 +467,15 @@ def test_later_turns_are_split_by_their_own_lengths(tiny_target_dir, tok, tmp_pa
     assert all(rows == 1 or rows * (longest + tight.max_new_tokens) <= tight.batch_tokens for rows, longest in calls)
     strip = lambda path: sorted((r["id"], r["messages"]) for r in read_jsonl(path))
     assert strip(tmp_path / "tight.jsonl") == strip(tmp_path / "loose.jsonl")
+
+
+def test_progress_counts_answered_turns_before_a_conversation_is_written(tiny_target_dir, tmp_path, capsys):
+    """Multi-turn batches are written after their last turn: progress must move before that."""
+    prompts = [prompt_record(i, [f"Question {i}?", "And then?", "Why?"]) for i in range(3)]
+    inp = write_prompts(tmp_path / "in.jsonl", prompts)
+    s = regenerate_file(tiny_target_dir, inp, tmp_path / "out.jsonl", replace(TINY, progress_every_s=0.0),
+                        scanner=NoScan())
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[regenerate]")]
+    assert any("0/3 conversations, 0 new tokens (+" in line for line in lines)  # turn 1 answered, none written
+    assert lines[-1].startswith("[regenerate] 3/3 conversations") and "unfinished" not in lines[-1]
+    assert s["new_tokens"] == sum(sum(r["generation"]["new_tokens"]) for r in read_jsonl(tmp_path / "out.jsonl"))

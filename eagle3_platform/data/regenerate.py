@@ -116,8 +116,8 @@ def turn_seed(seed: int, rec_id: str, turn: int) -> int:
 class Turns:
     """Prompt + budget of a conversation's next turn, and recording the answer. Shared by both back ends."""
 
-    def __init__(self, tokenizer, cfg: RegenConfig):
-        self.tok, self.cfg = tokenizer, cfg
+    def __init__(self, tokenizer, cfg: RegenConfig, on_answer=None):
+        self.tok, self.cfg, self.on_answer = tokenizer, cfg, on_answer
         self.lock = threading.Lock()  # endpoint workers share the tokenizer
         # tokens the template writes after an answer (EOT + newline): reserved inside max_length
         probe = render_prompt(tokenizer, [{"role": "user", "content": "hi"}])
@@ -142,6 +142,8 @@ class Turns:
         c.history = msgs + [{"role": "assistant", "content": content}]
         c.finish.append(finish)
         c.new_tokens.append(n_tokens)
+        if self.on_answer is not None:
+            self.on_answer(n_tokens)
 
 
 def scan_reason(scanner, texts: list[str], allowed: tuple[str, ...] = ()) -> str | None:
@@ -183,23 +185,34 @@ def finalize(c: Convo, tok, scanner, meta: dict, gen: dict) -> ConversationRecor
 
 
 class Progress:
-    """Periodic one-line progress on stderr: conversations done/total and generated tok/s."""
+    """Periodic one-line progress on stderr: conversations done/total and generated tok/s. Answered
+    turns count as they come (`turn`): a batch of long multi-turn conversations is written only when
+    its last turn is answered, which can take many minutes."""
 
     def __init__(self, total: int, done: int, every_s: float):
         self.total, self.done, self.every_s = total, done, every_s
-        self.tokens, self.t0, self.last = 0, time.perf_counter(), 0.0
+        self.tokens, self.in_flight, self.t0, self.last = 0, 0, time.perf_counter(), 0.0
+
+    def turn(self, tokens: int) -> None:
+        self.in_flight += tokens  # answered, in a conversation not written yet
+        self._report()
 
     def add(self, conversations: int, tokens: int) -> None:
         self.done += conversations
         self.tokens += tokens
+        self.in_flight = max(0, self.in_flight - tokens)
+        self._report()
+
+    def _report(self) -> None:
         now = time.perf_counter()
         if now - self.last >= self.every_s or self.done == self.total:
             self.last = now
-            print(f"[regenerate] {self.done}/{self.total} conversations, {self.tokens} new tokens, "
+            flight = f" (+{self.in_flight} in unfinished conversations)" if self.in_flight else ""
+            print(f"[regenerate] {self.done}/{self.total} conversations, {self.tokens} new tokens{flight}, "
                   f"{self.tok_per_s():.1f} tok/s", file=sys.stderr, flush=True)
 
     def tok_per_s(self) -> float:
-        return self.tokens / max(time.perf_counter() - self.t0, 1e-9)
+        return (self.tokens + self.in_flight) / max(time.perf_counter() - self.t0, 1e-9)
 
 
 def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "demo", endpoint: str | None = None,
@@ -251,7 +264,7 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
             (out if isinstance(row, ConversationRecord) else rej).append(row)
             progress.add(1, sum(c.new_tokens))
 
-        turns = Turns(tok, cfg)
+        turns = Turns(tok, cfg, on_answer=progress.turn)
         if endpoint:
             run_endpoint(endpoint, convos, turns, cfg, done, emit, meta, api_key)
         else:
