@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 PRESET_NAMES = ("tiny", "demo", "cpu", "full")
 DEFAULT_PRESET = "demo"
 # tiny runs on a random target, where drafting shape matters less than test speed.
-SPEC_FOR_PRESET = {"tiny": "tiny", "demo": "chain", "cpu": "chain", "full": "chain"}
+# The embedded CPU server drafts adaptively (spec/config.py); `full` targets SGLang's fixed chain.
+SPEC_FOR_PRESET = {"tiny": "tiny", "demo": "chain_adaptive", "cpu": "chain_adaptive", "full": "chain"}
 
 
 @dataclass(frozen=True)

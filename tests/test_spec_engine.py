@@ -181,3 +181,11 @@ def test_min_draft_prob_cuts_the_draft_and_keeps_output(target, refs, random_dra
         assert len(drafter.propose(5)) < cut.cfg.num_draft_tokens
     with pytest.raises(ValueError, match="min_draft_prob"):
         SpecConfig(min_draft_prob=1.0)
+
+
+def test_every_platform_preset_deploys_a_known_spec_preset():
+    from eagle3_platform.config import PRESET_NAMES, SPEC_FOR_PRESET, preset
+
+    assert set(SPEC_FOR_PRESET) == set(PRESET_NAMES)
+    for name in PRESET_NAMES:
+        assert preset(name).spec == PRESETS[SPEC_FOR_PRESET[name]]
