@@ -91,14 +91,12 @@ def keep_path_in_cache(cache, past_len: int, path: list[int]) -> None:
     path is increasing, so copying the tail left and cropping is enough (no full-cache gather).
     """
     keep = past_len + len(path)
-    if path == list(range(len(path))):  # a chain's accepted prefix is already in place: crop only
-        for layer in cache.layers:
-            layer.keys, layer.values = layer.keys[:, :, :keep], layer.values[:, :, :keep]
-        return
+    in_place = path == list(range(len(path)))  # a chain's accepted prefix: nothing to move, crop only
     src = torch.tensor(path, dtype=torch.long) + past_len  # [m+1]
     for layer in cache.layers:
-        # [B,kv,S,hd]: RHS advanced indexing copies before the write, so overlaps are safe
-        layer.keys[:, :, past_len:keep] = layer.keys[:, :, src]
-        layer.values[:, :, past_len:keep] = layer.values[:, :, src]
+        if not in_place:
+            # [B,kv,S,hd]: RHS advanced indexing copies before the write, so overlaps are safe
+            layer.keys[:, :, past_len:keep] = layer.keys[:, :, src]
+            layer.values[:, :, past_len:keep] = layer.values[:, :, src]
         # slice, not cache.crop(): crop's argument changed meaning across transformers versions
         layer.keys, layer.values = layer.keys[:, :, :keep], layer.values[:, :, :keep]
