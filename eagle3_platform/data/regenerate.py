@@ -192,16 +192,19 @@ class Progress:
     def __init__(self, total: int, done: int, every_s: float):
         self.total, self.done, self.every_s = total, done, every_s
         self.tokens, self.in_flight, self.t0, self.last = 0, 0, time.perf_counter(), 0.0
+        self.lock = threading.Lock()  # endpoint workers report turns while the main thread writes rows
 
     def turn(self, tokens: int) -> None:
-        self.in_flight += tokens  # answered, in a conversation not written yet
-        self._report()
+        with self.lock:
+            self.in_flight += tokens  # answered, in a conversation not written yet
+            self._report()
 
     def add(self, conversations: int, tokens: int) -> None:
-        self.done += conversations
-        self.tokens += tokens
-        self.in_flight = max(0, self.in_flight - tokens)
-        self._report()
+        with self.lock:
+            self.done += conversations
+            self.tokens += tokens
+            self.in_flight = max(0, self.in_flight - tokens)
+            self._report()
 
     def _report(self) -> None:
         now = time.perf_counter()
