@@ -4,7 +4,7 @@ DynamicLayer appends with `torch.cat`, so every decode step copies the whole cac
 a fresh allocation; at batch 128 that is GBs per step, and on these VMs fresh pages are expensive.
 Here keys/values are prefix views of buffers with spare room: an append writes into the buffer, and
 the buffer grows by half again when full. Code that replaces `.keys` keeps working: a shorter prefix
-view (crop, `keep_path_in_cache`) still writes into the same buffer; any other tensor
+view (a crop) still writes into the same buffer; any other tensor
 (`batch_select_indices`) is copied into a fresh buffer on the next append.
 """
 from __future__ import annotations

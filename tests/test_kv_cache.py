@@ -8,7 +8,8 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from eagle3_platform.attention import GROUPED_DECODE
 from eagle3_platform.kv_cache import GrowingCache
-from eagle3_platform.spec.tree import keep_path_in_cache
+from eagle3_platform.spec.ragged import RaggedCache
+from eagle3_platform.spec.tree import ancestor_matrix, depths
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +20,7 @@ def model(tiny_target_dir):
 @torch.no_grad()
 def decode(model, cache, attn: str, steps: int = 40, drop_at: int = 15, crop_at: int = 25) -> list:
     """Greedy decode of 3 padded rows; row 1 leaves the batch at `drop_at`; at `crop_at` a 4-token
-    'verify' forward is cut back to its first token (what keep_path_in_cache does after a rejection)."""
+    'verify' forward is cut back to its first token (a rejection: the cache keeps a shorter prefix view)."""
     model.set_attn_implementation(attn)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 400, (3, 12), generator=g)
@@ -40,7 +41,8 @@ def decode(model, cache, attn: str, steps: int = 40, drop_at: int = 15, crop_at:
             m4 = torch.cat([mask, mask.new_ones(rows, 4)], 1)
             model(input_ids=extra, attention_mask=m4, position_ids=nxt[:, None] + torch.arange(4),
                   past_key_values=cache)
-            keep_path_in_cache(cache, past, [0])  # only the first of the 4 stays
+            for layer in cache.layers:  # only the first of the 4 stays
+                layer.keys, layer.values = layer.keys[:, :, :past + 1], layer.values[:, :, :past + 1]
         mask = torch.cat([mask, mask.new_ones(rows, 1)], 1)
         logits.append(model(input_ids=tok, attention_mask=mask, position_ids=nxt[:, None],
                             past_key_values=cache).logits[:, -1])
@@ -72,8 +74,6 @@ def test_growing_cache_appends_in_place(model):
 def test_grouped_attention_of_a_verify_forward_matches_sdpa(model, mask_kind):
     """A multi-token query under an explicit mask (a draft tree's additive 4D mask, or a 2D padding
     mask that transformers expands) is grouped too; its logits equal sdpa's."""
-    from eagle3_platform.spec.tree import tree_attention_mask, tree_positions
-
     g = torch.Generator().manual_seed(1)
     prompt, nodes = torch.randint(3, 400, (1, 20), generator=g), torch.randint(3, 400, (1, 6), generator=g)
     parents = torch.tensor([-1, 0, 0, 1, 2, 3])  # two branches
@@ -82,8 +82,13 @@ def test_grouped_attention_of_a_verify_forward_matches_sdpa(model, mask_kind):
         model.set_attn_implementation(attn)
         cache = GrowingCache()
         model(input_ids=prompt, past_key_values=cache)
-        if mask_kind == "tree":
-            kw = dict(attention_mask=tree_attention_mask(parents, 20), position_ids=tree_positions(parents, 20))
+        if mask_kind == "tree":  # the engine's layout: a ragged cache row and a bool tree mask
+            ragged = RaggedCache()
+            ragged.add_row(cache, 20)
+            ragged.begin(6)
+            cache = ragged
+            kw = dict(attention_mask=ragged.mask(ancestor_matrix(parents)[None]),
+                      position_ids=20 + depths(parents)[None])
         else:
             pad = torch.ones(1, 26, dtype=torch.long)
             pad[0, :2] = 0  # two left pads: transformers must build a mask (all ones would be skipped)

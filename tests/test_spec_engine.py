@@ -159,10 +159,11 @@ def test_chain_fast_path_drafts_what_the_tree_code_drafts(target, random_draft, 
     width, vocab = random_draft.fc.in_features, target.model.config.vocab_size
     drafter = EagleDrafter(random_draft, cfg)
     drafter.prefill(torch.randn(1, 9, width, generator=g), torch.randint(0, vocab, (9,), generator=g))
-    fast, general = drafter._propose_chain(5), drafter._propose_tree(5)
-    assert len(fast) <= cfg.num_draft_tokens and (cfg.min_draft_prob > 0 or len(fast) == cfg.num_draft_tokens)
-    assert fast.tokens.tolist() == general.tokens.tolist()
-    assert fast.parents.tolist() == general.parents.tolist()
+    for budget in (cfg.num_draft_tokens - 1, 1):  # the settings' size, and a server's smaller cap
+        fast, general = drafter._propose_chain(5, budget), drafter._propose_tree(5, budget)
+        assert len(fast) <= budget + 1 and (cfg.min_draft_prob > 0 or len(fast) == budget + 1)
+        assert fast.tokens.tolist() == general.tokens.tolist()
+        assert fast.parents.tolist() == general.parents.tolist()
 
 
 def test_min_draft_prob_cuts_the_draft_and_keeps_output(target, refs, random_draft):
@@ -175,7 +176,7 @@ def test_min_draft_prob_cuts_the_draft_and_keeps_output(target, refs, random_dra
             out_full, _ = full.generate(_ids(target, p), MAX_NEW)
             out_cut, stats = cut.generate(_ids(target, p), MAX_NEW)
             assert out_cut == out_full == refs[p][:MAX_NEW]
-        drafter = cut._make_drafter()  # the cut happens: the random head is never 5% sure of a path
+        drafter = cut.make_drafter()  # the cut happens: the random head is never 5% sure of a path
         g = torch.Generator().manual_seed(0)
         drafter.prefill(torch.randn(1, 9, random_draft.fc.in_features, generator=g), torch.randint(0, 50, (9,)))
         assert len(drafter.propose(5)) < cut.cfg.num_draft_tokens

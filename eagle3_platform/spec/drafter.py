@@ -31,7 +31,8 @@ class Drafter(Protocol):
     def prefill(self, aux: torch.Tensor, next_tokens: torch.Tensor) -> None: ...
     # aux [1,P,3H] target features of tokens 0..P-1; next_tokens [P] = x_1..x_P (shifted by one)
 
-    def propose(self, root: int) -> Tree: ...
+    def propose(self, root: int, max_tokens: int | None = None) -> Tree: ...
+    # a tree rooted at `root` with at most max_tokens draft nodes (None: as many as the settings say)
 
     def commit(self, aux: torch.Tensor, next_tokens: torch.Tensor) -> None: ...
     # aux [1,m+1,3H] features of the root + accepted nodes; next_tokens [m+1] = accepted + bonus
@@ -64,10 +65,12 @@ class EagleDrafter:
         self.h_last = h[:, -1:]  # [1,1,H]
 
     @torch.no_grad()
-    def propose(self, root: int) -> Tree:
-        return self._propose_chain(root) if self.cfg.eagle_topk == 1 else self._propose_tree(root)
+    def propose(self, root: int, max_tokens: int | None = None) -> Tree:
+        budget = self.cfg.num_draft_tokens - 1
+        budget = budget if max_tokens is None else min(max_tokens, budget)
+        return self._propose_chain(root, budget) if self.cfg.eagle_topk == 1 else self._propose_tree(root, budget)
 
-    def _propose_tree(self, root: int) -> Tree:
+    def _propose_tree(self, root: int, budget: int) -> Tree:
         pool = _Pool()
         k = self.cfg.eagle_topk
         logp = _log_probs(self.draft, self.h_last)[0]  # [1,Vd] -> [Vd]
@@ -75,22 +78,22 @@ class EagleDrafter:
         frontier = pool.add(parents=[-1] * k, draft_ids=top.indices, scores=top.values)
         hidden = self.h_last.expand(1, k, -1)  # [1,k,H]: every depth-1 node's parent is the root
         tree_k = tree_v = None
-        for step in range(1, self.cfg.num_steps):
+        for step in range(1, min(self.cfg.num_steps, budget)):  # depth > budget cannot be kept
             h, (nk, nv) = self._run_frontier(pool, frontier, hidden, tree_k, tree_v, step)
             tree_k = nk if tree_k is None else torch.cat([tree_k, nk], dim=2)
             tree_v = nv if tree_v is None else torch.cat([tree_v, nv], dim=2)
             pool.entry_of.update({node: pool.n_entries + i for i, node in enumerate(frontier)})
             pool.n_entries += len(frontier)
             frontier, hidden = self._expand(pool, frontier, h, k)
-        return pool.to_tree(root, self.cfg.num_draft_tokens - 1, self.draft, self.cfg.min_draft_prob)
+        return pool.to_tree(root, budget, self.draft, self.cfg.min_draft_prob)
 
-    def _propose_chain(self, root: int) -> Tree:
+    def _propose_chain(self, root: int, budget: int) -> Tree:
         """topk = 1: the tree is a chain, so each draft entry sees the prefix and the entries before it
         (a causal mask) and no pool is needed. Same tokens as the tree code with k = 1 (argmax of the
-        logits = argmax of the log-probs; the first `num_draft_tokens - 1` steps are the best ones),
+        logits = argmax of the log-probs; the first `budget` steps are the best ones),
         cut where the path's draft probability falls below min_draft_prob."""
         d, n = self.draft, self.n
-        steps = min(self.cfg.num_steps, self.cfg.num_draft_tokens - 1)
+        steps = min(self.cfg.num_steps, budget)
         h, past_k, past_v = self.h_last, self.k, self.v
         picks, path_logp = [], 0.0
         for step in range(1, steps + 1):

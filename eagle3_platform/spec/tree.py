@@ -1,4 +1,4 @@
-"""Draft trees as flat parent arrays, their attention masks, positions and KV-cache bookkeeping.
+"""Draft trees as flat parent arrays, their depths and ancestor (attention) matrices.
 
 A tree of N nodes is `tokens` [N] + `parents` [N] with node 0 the root and parents[i] < i (parents
 always precede children, so a mask row only ever looks left). The root is the last accepted token: it
@@ -62,18 +62,6 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out[None, None]
 
 
-def tree_attention_mask(parents: torch.Tensor, past_len: int, dtype=torch.float32) -> torch.Tensor:
-    """[1,1,N,past_len+N]: every node sees the whole committed prefix and its own root path only."""
-    n = parents.numel()
-    prefix = torch.ones(n, past_len, dtype=torch.bool)
-    return additive_mask(torch.cat([prefix, ancestor_matrix(parents)], dim=1), dtype)
-
-
-def tree_positions(parents: torch.Tensor, past_len: int) -> torch.Tensor:
-    """[1,N] position ids: a node at depth d sits at past_len + d (its position on its own path)."""
-    return (past_len + depths(parents))[None]
-
-
 def path_to(parents: torch.Tensor, node: int) -> list[int]:
     """Node ids from the root down to `node`, inclusive."""
     p = parents.tolist()
@@ -81,22 +69,3 @@ def path_to(parents: torch.Tensor, node: int) -> list[int]:
     while p[path[-1]] != -1:
         path.append(p[path[-1]])
     return path[::-1]
-
-
-def keep_path_in_cache(cache, past_len: int, path: list[int]) -> None:
-    """Keep only the accepted path of a verify forward in a transformers DynamicCache, in place.
-
-    The verify forward appended N tree entries after `past_len` committed ones; afterwards entry
-    past_len + j must hold the KV of path[j]. path[0] = 0 (the root) so the root never moves, and
-    path is increasing, so copying the tail left and cropping is enough (no full-cache gather).
-    """
-    keep = past_len + len(path)
-    in_place = path == list(range(len(path)))  # a chain's accepted prefix: nothing to move, crop only
-    src = torch.tensor(path, dtype=torch.long) + past_len  # [m+1]
-    for layer in cache.layers:
-        if not in_place:
-            # [B,kv,S,hd]: RHS advanced indexing copies before the write, so overlaps are safe
-            layer.keys[:, :, past_len:keep] = layer.keys[:, :, src]
-            layer.values[:, :, past_len:keep] = layer.values[:, :, src]
-        # slice, not cache.crop(): crop's argument changed meaning across transformers versions
-        layer.keys, layer.values = layer.keys[:, :, :keep], layer.values[:, :, :keep]

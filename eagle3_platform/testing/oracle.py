@@ -31,7 +31,14 @@ class OracleDrafter:
     def _wrong(self, right: int) -> int:
         return (right + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
 
-    def propose(self, root: int) -> Tree:
+    def propose(self, root: int, max_tokens: int | None = None) -> Tree:
+        """max_tokens: keep the first draft nodes only (parents precede children: still a tree)."""
+        tree = self._propose(root)
+        if max_tokens is None or len(tree) <= max_tokens + 1:
+            return tree
+        return Tree(tree.tokens[:max_tokens + 1], tree.parents[:max_tokens + 1])
+
+    def _propose(self, root: int) -> Tree:
         truth = self.cont[self.known:self.known + self.depth]
         good = len(truth) if self.always_correct else self.rng.randint(0, len(truth))
         tokens, parents, node = [root], [-1], 0

@@ -1,0 +1,185 @@
+"""A running batch of speculative-decoding requests: chunked prefill, one batched verify step.
+
+State of a running request r between steps (DESIGN §5, per row of the batch):
+  target KV cache row = tokens 0..n-1 (committed);  pending = x_n, the last emitted token, not cached;
+  drafter             = entries 0..n-1 + h_last predicting x_{n+1} (see drafter.py).
+A step drafts a tree rooted at every row's x_n, runs the target ONCE over all rows' trees (padded to
+the widest, per-row tree masks and positions over the ragged cache), accepts a root path + a bonus
+token per row, keeps only that path in both caches and emits the accepted tokens + bonus. A row
+without a draft verifies its root alone: plain KV-cached decoding through the same code (the
+baseline), so stats are comparable.
+
+Invariants: greedy output of a request equals target greedy decoding, and at T > 0 every token is an
+exact draw from the target, whatever else is in the batch (rows only see their own slots).
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Sequence
+
+import torch
+
+from eagle3_platform.draft.metrics import acceptance_length
+from eagle3_platform.kv_cache import GrowingCache
+from eagle3_platform.spec.ragged import RaggedCache
+from eagle3_platform.spec.sampling import greedy, target_probs, verify_greedy, verify_sampling
+from eagle3_platform.spec.stops import Finisher
+from eagle3_platform.spec.tree import Tree, ancestor_matrix, depths, root_only
+
+PREFILL_CHUNK = 256  # prompt tokens per prefill forward (a long prompt is split across steps)
+
+
+class Request:
+    """One stream's state: prompt progress, then its row in the batch."""
+
+    def __init__(self, ids: list[int], finisher: Finisher, drafter, temperature: float,
+                 gen: torch.Generator | None):
+        self.ids, self.fin, self.drafter = ids, finisher, drafter
+        self.temperature, self.gen = temperature, gen
+        self.prefilled = 0  # prompt tokens through the target so far
+        self.prompt_cache: GrowingCache | None = GrowingCache()  # until the prompt is done
+        self.prompt_aux: list[torch.Tensor] = []  # [1,c,3H] per chunk, for the drafter's prefill
+        self.n = 0  # committed tokens (in the batch cache)
+        self.pending = -1  # x_n
+        self.steps, self.hist = 0, Counter()
+        self.t0, self.t_prefill = time.perf_counter(), 0.0
+
+    @property
+    def running(self) -> bool:
+        return self.prompt_cache is None
+
+    @property
+    def done(self) -> bool:
+        return self.fin.done
+
+    def stats(self) -> dict:
+        """τ counts verify steps only: the prefill's first token is not a speculative step (SGLang)."""
+        generated, t_total = len(self.fin.tokens), time.perf_counter() - self.t0
+        t_decode = max(t_total - self.t_prefill, 1e-9)
+        return {
+            "prompt_tokens": len(self.ids),
+            "generated_tokens": generated,
+            "verify_steps": self.steps,
+            "acceptance_length": acceptance_length(max(0, generated - 1), self.steps) if self.steps else 1.0,
+            "accept_hist": {int(k): int(v) for k, v in sorted(self.hist.items())},
+            "tokens_per_s": generated / max(t_total, 1e-9),
+            "decode_tokens_per_s": max(0, generated - 1) / t_decode,
+            "prefill_s": self.t_prefill,
+            "total_s": t_total,
+            "finish_reason": self.fin.reason,
+        }
+
+
+class Batch:
+    """Requests of one engine decoded together. Not thread-safe: one thread drives a batch."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.cache = RaggedCache()
+        self.rows: list[Request] = []  # rows[b] owns cache row b
+
+    def open(self, input_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
+             stop: Sequence[str] = (), seed: int | None = None) -> Request:
+        ids = [int(t) for t in input_ids]
+        if not ids:
+            raise ValueError("input_ids must not be empty")
+        if max_new_tokens < 1 or temperature < 0:
+            raise ValueError("need max_new_tokens >= 1 and temperature >= 0")
+        e = self.engine
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        fin = Finisher(e.target.tokenizer, e.eos_ids, max_new_tokens, stop)
+        return Request(ids, fin, e.make_drafter(), temperature, gen)
+
+    @torch.no_grad()
+    def prefill(self, r: Request, max_tokens: int | None = PREFILL_CHUNK) -> list[int] | None:
+        """Runs the next chunk of r's prompt. None while prompt tokens remain; at the last chunk r
+        joins the batch and the tokens it may emit (the first token, unless held back) come back."""
+        e, start = self.engine, r.prefilled
+        end = len(r.ids) if max_tokens is None else min(len(r.ids), start + max_tokens)
+        t0 = time.perf_counter()
+        logits, aux = e.forward(torch.tensor([r.ids[start:end]]), None, None, r.prompt_cache, r.drafter)
+        r.prefilled = end
+        if aux is not None:
+            r.prompt_aux.append(aux)
+        if end < len(r.ids):
+            r.t_prefill += time.perf_counter() - t0
+            return None
+        first = self._pick(logits[0, -1], r)
+        if r.drafter is not None:  # entry t = (g_t, x_{t+1}): the prompt shifted by one + first
+            r.drafter.prefill(torch.cat(r.prompt_aux, dim=1), torch.tensor(r.ids[1:] + [first]))
+        self.cache.add_row(r.prompt_cache, len(r.ids))
+        r.prompt_cache, r.prompt_aux = None, []
+        r.n, r.pending = len(r.ids), first
+        self.rows.append(r)
+        r.t_prefill = time.perf_counter() - r.t0
+        return r.fin.push([first])
+
+    @torch.no_grad()
+    def step(self, max_draft_tokens: int | None = None) -> list[tuple[Request, list[int]]]:
+        """One verify step over every running row -> (request, tokens it may emit now) per row.
+        max_draft_tokens caps each row's draft (0 = plain decoding this step; None = the config)."""
+        rows, e = self.rows, self.engine
+        trees = [self._propose(r, max_draft_tokens) for r in rows]
+        q = max(len(t) for t in trees)
+        tokens, pos, anc = _pad_trees(trees, q, self.cache.lengths)  # [B,q], [B,q], [B,q,q]
+        self.cache.begin(q)
+        mask = self.cache.mask(anc) if len(rows) > 1 or q > 1 else None  # [B,1,q,S]
+        any_drafter = any(r.drafter is not None for r in rows)
+        logits, aux = e.forward(tokens, mask, pos, self.cache, e.draft if any_drafter else None)
+        out = []
+        for b, (r, tree) in enumerate(zip(rows, trees)):
+            path, bonus = self._accept(tree, logits[b, :len(tree)], r)
+            self.cache.keep(b, path)  # row b: tokens 0..n-1, root, accepted nodes
+            new = tree.tokens[path[1:]].tolist() + [bonus]  # accepted draft tokens + bonus
+            if r.drafter is not None:  # entries n..n+m = (g of root/accepted nodes, next token)
+                r.drafter.commit(aux[b:b + 1, path], torch.tensor(new))
+            r.n, r.pending = r.n + len(path), bonus
+            r.steps += 1
+            r.hist[len(new)] += 1
+            out.append((r, r.fin.push(new)))
+        return out
+
+    def close(self, r: Request) -> dict:
+        """Take r out of the batch (finished or abandoned); -> its stats."""
+        if r.running and r in self.rows:
+            b = self.rows.index(r)
+            self.cache.drop_row(b)
+            self.rows[b] = self.rows[-1]  # drop_row moved the last row into b
+            self.rows.pop()
+        r.prompt_cache = r.prompt_aux = None
+        return r.stats()
+
+    # ---- per row -------------------------------------------------------------------------------
+    def _propose(self, r: Request, max_draft_tokens: int | None) -> Tree:
+        if r.drafter is None or max_draft_tokens == 0:
+            return root_only(r.pending)
+        return r.drafter.propose(r.pending, max_draft_tokens)
+
+    def _accept(self, tree: Tree, logits: torch.Tensor, r: Request) -> tuple[list[int], int]:
+        # Greedy invariant: output equals target greedy decoding token for token (verify_greedy).
+        # T > 0 invariant: every token is an exact draw from the target's p (verify_sampling).
+        if r.temperature == 0:
+            return verify_greedy(tree, logits)
+        return verify_sampling(tree, logits, r.temperature, r.gen, self.engine.cfg.min_residual_mass)
+
+    def _pick(self, logits: torch.Tensor, r: Request) -> int:
+        if r.temperature == 0:
+            return int(greedy(logits))
+        return int(torch.multinomial(target_probs(logits, r.temperature), 1, generator=r.gen))
+
+
+def _pad_trees(trees: list[Tree], q: int, lengths: torch.Tensor):
+    """Trees of up to q nodes -> tokens [B,q], positions [B,q], ancestors bool [B,q,q].
+    A padding node repeats the root token, sees only itself and is never accepted."""
+    B = len(trees)
+    tokens = torch.zeros(B, q, dtype=torch.long)
+    depth = torch.arange(q).repeat(B, 1)
+    anc = torch.eye(q, dtype=torch.bool).repeat(B, 1, 1)
+    for b, t in enumerate(trees):
+        n = len(t)
+        tokens[b, :n], tokens[b, n:] = t.tokens, t.tokens[0]
+        if n > 1:
+            depth[b, :n] = depths(t.parents)
+            anc[b, :n, :n] = ancestor_matrix(t.parents)
+    return tokens, lengths[:, None] + depth, anc

@@ -1,0 +1,123 @@
+"""The target's KV cache for a running batch of sequences of different lengths (continuous batching).
+
+One buffer per layer, [rows, kv, slots, hd]. Row b holds its committed tokens in slots [0, lengths[b]).
+A forward over q new tokens per row writes row b's tokens at slots lengths[b] .. lengths[b]+q-1 and
+attends over slots [0, S) with S = max(lengths) + q, under an explicit mask that hides each row's
+slots beyond its own tokens. Slot order does not matter to attention (the RoPE position is inside each
+key), so rows never need aligning: no left padding, no per-step concatenation, no copy of the cache.
+
+Rows come and go between forwards: `add_row` copies a prefilled sequence in, `drop_row` moves the
+last row into the hole (so rows 0..B-1 are always the running ones, in a fixed order until a drop).
+"""
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+MIN_SPARE = 64  # slots of headroom added on every growth
+# Buffers start zeroed, not empty: a masked slot gets weight exactly 0, but 0 * NaN is NaN, and
+# fresh memory may hold NaN bit patterns.
+
+
+class RaggedCache(Cache):
+    def __init__(self):
+        super().__init__(layers=[])
+        self.keys: list[torch.Tensor] = []  # per layer [rows_cap, kv, slots_cap, hd]
+        self.values: list[torch.Tensor] = []
+        self.lengths = torch.zeros(0, dtype=torch.long)  # [B] committed tokens per row
+        self._slots: torch.Tensor | None = None  # [B,q] where this forward writes
+        self._span = 0  # S: slots this forward attends over
+
+    @property
+    def rows(self) -> int:
+        return int(self.lengths.numel())
+
+    # ---- a forward ------------------------------------------------------------------------------
+    def begin(self, q: int) -> int:
+        """Before a forward over q new tokens per row; returns S, the attended span."""
+        n_max = int(self.lengths.max())
+        self._grow_slots(n_max + q)
+        self._slots = self.lengths[:, None] + torch.arange(q)  # [B,q]
+        self._span = n_max + q
+        return self._span
+
+    def mask(self, ancestors: torch.Tensor) -> torch.Tensor:
+        """ancestors bool [B,q,q] (A[b,i,j]: new token j is token i or on its path) -> bool [B,1,q,S]:
+        every new token sees its row's committed slots and its own path among the new ones."""
+        B, q, _ = ancestors.shape
+        allowed = torch.arange(self._span)[None, None, :] < self.lengths[:, None, None]  # [B,1,S]
+        allowed = allowed.expand(B, q, self._span).clone()  # [B,q,S]
+        allowed.scatter_(2, self._slots[:, None, :].expand(B, q, q), ancestors)
+        return allowed[:, None]
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        """key/value_states [B,kv,q,hd] -> this layer's keys/values over the span, [B,kv,S,hd]."""
+        k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
+        B, q = self._slots.shape
+        if B == 1:  # one row: a slice write, no index tensors
+            n = int(self.lengths[0])
+            k_buf[:1, :, n:n + q] = key_states
+            v_buf[:1, :, n:n + q] = value_states
+        else:  # [B,1] x [B,q] advanced indices around a slice: the value's layout is [B,q,kv,hd]
+            rows = torch.arange(B)[:, None]
+            k_buf[rows, :, self._slots] = key_states.transpose(1, 2)
+            v_buf[rows, :, self._slots] = value_states.transpose(1, 2)
+        return k_buf[:B, :, :self._span], v_buf[:B, :, :self._span]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return int(self.lengths.max()) if self.rows else 0
+
+    # ---- bookkeeping between forwards -----------------------------------------------------------
+    def keep(self, row: int, path: list[int]) -> None:
+        """After a verify forward, row `row` keeps new tokens `path` (increasing, path[0] = 0, the
+        root): they move to slots n .. n+len(path)-1 and become committed."""
+        n = int(self.lengths[row])
+        if path != list(range(len(path))):  # a chain's accepted prefix is already in place
+            src = torch.tensor(path) + n
+            for buf in self.keys + self.values:
+                buf[row, :, n:n + len(path)] = buf[row, :, src]  # RHS gathers (copies) first
+        self.lengths[row] = n + len(path)
+
+    def add_row(self, cache, n: int) -> int:
+        """Copy a prefilled batch-1 transformers cache (n tokens) in as a new last row; -> its index."""
+        row = self.rows
+        if not self.keys:  # first row ever: buffers shaped like the source's layers
+            for layer in cache.layers:
+                _, kv, _, hd = layer.keys.shape
+                shape = (1, kv, n + n // 2 + MIN_SPARE, hd)
+                self.keys.append(layer.keys.new_zeros(shape))
+                self.values.append(layer.values.new_zeros(shape))
+        self._grow_rows(row + 1)
+        self._grow_slots(n)
+        for i, layer in enumerate(cache.layers):
+            self.keys[i][row, :, :n] = layer.keys[0, :, :n]
+            self.values[i][row, :, :n] = layer.values[0, :, :n]
+        self.lengths = torch.cat([self.lengths, torch.tensor([n])])
+        return row
+
+    def drop_row(self, row: int) -> None:
+        """Free `row`: the last row moves into it (its index changes to `row`)."""
+        last = self.rows - 1
+        if row != last:
+            n = int(self.lengths[last])
+            for buf in self.keys + self.values:
+                buf[row, :, :n] = buf[last, :, :n]
+            self.lengths[row] = n
+        self.lengths = self.lengths[:last].clone()
+
+    def _grow_rows(self, need: int) -> None:
+        if self.keys and self.keys[0].shape[0] < need:
+            self._realloc(rows=max(need, 2 * self.keys[0].shape[0]), slots=self.keys[0].shape[2])
+
+    def _grow_slots(self, need: int) -> None:
+        if self.keys and self.keys[0].shape[2] < need:
+            self._realloc(rows=self.keys[0].shape[0], slots=need + need // 2 + MIN_SPARE)
+
+    def _realloc(self, rows: int, slots: int) -> None:
+        """Fresh buffers [rows, kv, slots, hd] holding what the current rows hold."""
+        B, n = self.rows, int(self.lengths.max()) if self.rows else 0
+        for bufs in (self.keys, self.values):
+            for i, old in enumerate(bufs):
+                new = old.new_zeros((rows, old.shape[1], slots, old.shape[3]))
+                new[:B, :, :n] = old[:B, :, :n]
+                bufs[i] = new

@@ -1,0 +1,184 @@
+"""Batched speculative decoding (continuous batching): a request's output does not depend on what
+else is in the batch. fp32 on the tiny target: greedy tokens equal HF greedy exactly; logits of a
+batched forward equal each row's own forward within tolerance; T > 0 keeps the target's law."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from eagle3_platform.kv_cache import GrowingCache
+from eagle3_platform.spec.config import PRESETS, SpecConfig
+from eagle3_platform.spec.engine import SpecEngine
+from eagle3_platform.spec.ragged import RaggedCache
+from eagle3_platform.testing.oracle import OracleDrafter
+from eagle3_platform.testing.spec import VariedTargetConfig, random_draft, varied_target
+from tests.test_spec_engine import MAX_NEW, PROMPTS, _ids, hf_greedy
+from tests.test_spec_sampling import P_MIN, chi_square_pvalue, exact_sequence_probs
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+LONG = "Explain, step by step and with examples, how a hash map resolves collisions. " * 3
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target):
+    return varied_target(tiny_target)
+
+
+@pytest.fixture(scope="module")
+def refs(target):
+    eos = SpecEngine(target, None, PRESETS["baseline"]).eos_ids
+    return {p: hf_greedy(target, _ids(target, p), MAX_NEW + 8, eos) for p in PROMPTS + [LONG]}
+
+
+def _drive(engine, prompts, max_new, seed=0, chunk=7, **open_kw):
+    """Staggered arrivals: a new request opens every other step and prefills `chunk` tokens per
+    step between decode steps (chunked prefill interleaved with decoding); finished rows leave.
+    -> {prompt index: emitted tokens}."""
+    rng, batch = random.Random(seed), engine.batch()
+    waiting = list(enumerate(prompts))
+    prefilling, running, out = [], {}, {}
+    while waiting or prefilling or running:
+        if waiting and rng.random() < 0.5:
+            i, ids = waiting.pop(0)
+            prefilling.append((i, batch.open(ids, max_new[i], **open_kw)))
+            out[i] = []
+        if prefilling:
+            i, r = prefilling[0]
+            got = batch.prefill(r, chunk)
+            if got is not None:
+                prefilling.pop(0)
+                out[i] += got
+                running[r] = i
+                if r.done:
+                    batch.close(r)
+                    del running[r]
+        if running:
+            for r, toks in batch.step():
+                out[running[r]] += toks
+                if r.done:
+                    batch.close(r)
+                    del running[r]
+    return out
+
+
+def _oracle_engine(target, refs, cfg, order):
+    """Each request gets its own oracle drafter (the greedy continuation of its prompt)."""
+    engine = SpecEngine(target, OracleDrafter([], 64, 1), cfg)
+    conts = iter([refs[p] for p in order])
+    engine.make_drafter = lambda: OracleDrafter(next(conts), target.model.config.vocab_size,
+                                                cfg.num_steps, seed=len(order))
+    return engine
+
+
+@pytest.mark.parametrize("kind", ["baseline", "chain", "tree", "oracle_chain", "oracle_tree"])
+def test_batched_greedy_equals_target_greedy_whatever_the_batch(target, refs, kind):
+    order = PROMPTS + [LONG] + PROMPTS[::-1]
+    max_new = [MAX_NEW, 12, MAX_NEW, 5, MAX_NEW, 9, 1]  # rows leave at different steps
+    if kind.startswith("oracle"):
+        engine = _oracle_engine(target, refs, PRESETS[kind.split("_")[1]], order)
+    else:
+        draft = random_draft(target, 64) if kind != "baseline" else None
+        engine = SpecEngine(target, draft, PRESETS[kind])
+    prompts = [_ids(target, p) for p in order]
+    out = _drive(engine, prompts, max_new)
+    for i, p in enumerate(order):
+        assert out[i] == refs[p][:max_new[i]], (kind, i)
+
+
+def test_server_cap_on_draft_size_keeps_output(target, refs):
+    """A step may verify fewer draft tokens than the settings say (the server's draft-size choice)."""
+    engine = _oracle_engine(target, refs, PRESETS["chain"], PROMPTS)
+    batch = engine.batch()
+    reqs = [batch.open(_ids(target, p), MAX_NEW) for p in PROMPTS]
+    out = {r: batch.prefill(r, None) for r in reqs}
+    for cap in [0, 1, 3, 0, 2, 4] * 10:
+        if not batch.rows:
+            break
+        for r, toks in batch.step(max_draft_tokens=cap):
+            out[r] += toks
+        for r in [r for r in batch.rows if r.done]:
+            batch.close(r)
+    for r, p in zip(reqs, PROMPTS):
+        assert out[r] == refs[p][:MAX_NEW]
+        assert max(r.hist) <= 5
+    assert r.hist[1] > 0  # cap 0 steps emit the bonus token alone
+
+
+@torch.no_grad()
+def test_ragged_forward_matches_each_row_alone(target):
+    """Three rows of different lengths, one with a tree verify whose kept path is not a prefix:
+    the batched logits equal each row's own forward (fp32, tolerance: other matmul shapes)."""
+    model, g = target.model, torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 60, (1, n), generator=g) for n in (5, 11, 8)]
+    ragged, alone = RaggedCache(), []
+    for ids in prompts:
+        c = GrowingCache()
+        model(input_ids=ids, past_key_values=c, use_cache=True)
+        ragged.add_row(c, ids.shape[1])
+        alone.append(c)
+    parents = torch.tensor([-1, 0, 0, 1])  # row 1: a tree; rows 0/2: chains of 4
+    anc = torch.eye(4, dtype=torch.bool).repeat(3, 1, 1)
+    anc[0] = anc[2] = torch.ones(4, 4, dtype=torch.bool).tril()
+    from eagle3_platform.spec.tree import ancestor_matrix, depths
+    anc[1] = ancestor_matrix(parents)
+    depth = torch.stack([torch.arange(4), depths(parents), torch.arange(4)])
+    new = torch.randint(3, 60, (3, 4), generator=g)
+    pos = ragged.lengths[:, None] + depth
+    ragged.begin(4)
+    got = model(input_ids=new, attention_mask=ragged.mask(anc), position_ids=pos,
+                past_key_values=ragged, use_cache=True).logits
+    for b in range(3):
+        n = prompts[b].shape[1]
+        mask = torch.zeros(1, 1, 4, n + 4).masked_fill(
+            ~torch.cat([torch.ones(4, n, dtype=torch.bool), anc[b]], 1), torch.finfo(torch.float32).min)
+        want = model(input_ids=new[b:b + 1], attention_mask=mask, position_ids=pos[b:b + 1],
+                     past_key_values=alone[b], use_cache=True).logits
+        torch.testing.assert_close(got[b], want[0], atol=1e-4, rtol=1e-4)
+    # keep a non-prefix path in row 1 and drop row 0: row 1's next decode still matches alone
+    ragged.keep(1, [0, 2])
+    ragged.keep(2, [0, 1, 2, 3])
+    ragged.drop_row(0)  # row 2 moves into row 0
+    for c, n, path in ((alone[1], 11, [0, 2]), (alone[2], 8, [0, 1, 2, 3])):
+        for layer in c.layers:  # the single-sequence reference keeps the same path
+            layer.keys = torch.cat([layer.keys[:, :, :n], layer.keys[:, :, [n + j for j in path]]], 2)
+            layer.values = torch.cat([layer.values[:, :, :n], layer.values[:, :, [n + j for j in path]]], 2)
+    nxt = torch.randint(3, 60, (2, 1), generator=g)
+    pos = ragged.lengths[:, None].clone()
+    ragged.begin(1)
+    got = model(input_ids=nxt, attention_mask=ragged.mask(torch.ones(2, 1, 1, dtype=torch.bool)),
+                position_ids=pos, past_key_values=ragged, use_cache=True).logits
+    for b, c in enumerate((alone[2], alone[1])):
+        want = model(input_ids=nxt[b:b + 1], position_ids=pos[b:b + 1], past_key_values=c,
+                     use_cache=True).logits
+        torch.testing.assert_close(got[b], want[0], atol=1e-4, rtol=1e-4)
+
+
+def test_batched_sampling_keeps_the_target_distribution():
+    """T > 0 in a batch: the joint law of the first 3 tokens of every request (random-draft tree,
+    V=4) is the target's exact law, with requests of two prompts sharing batches."""
+    vocab, length, n, temperature = 4, 3, 600, 0.7
+    target = varied_target(None, VariedTargetConfig(num_hidden_layers=2, vocab_size=vocab, seed=1,
+                                                    initializer_range=0.08))
+    engine = SpecEngine(target, random_draft(target, vocab, seed=2), SpecConfig(3, 2, 6))
+    prompt, other = [0, 3, 1, 2, 1], [2, 2, 0, 1, 3, 0, 1]
+    counts = torch.zeros(vocab ** length)
+    for start in range(0, n, 8):  # batches of 8: 4 of `prompt` interleaved with 4 of `other`
+        prompts = [prompt, other] * 4
+        seeds = [start + i for i in range(8)]
+        batch, reqs = engine.batch(), []
+        for ids, s in zip(prompts, seeds):
+            reqs.append(batch.open(ids, length, temperature=temperature, seed=s))
+        out = {r: batch.prefill(r, None) for r in reqs}
+        while batch.rows:
+            for r, toks in batch.step():
+                out[r] += toks
+            for r in [r for r in batch.rows if r.done]:
+                batch.close(r)
+        for r in reqs[::2]:
+            counts[int(sum(t * vocab ** (length - 1 - i) for i, t in enumerate(out[r])))] += 1
+    probs = exact_sequence_probs(target.model, prompt, length, vocab, temperature)
+    assert counts.sum() == n // 2
+    assert chi_square_pvalue(counts, probs) > P_MIN
