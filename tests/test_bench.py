@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from eagle3_platform.bench.metrics import aggregate, percentile, tau_between, tpot, wall_time
+from eagle3_platform.bench.metrics import (aggregate, hist_between, percentile, tau_between, tpot,
+                                           wall_time)
 from eagle3_platform.bench.prompts import prompt_messages
 from eagle3_platform.bench.sse import read_stream
 
@@ -49,6 +50,28 @@ def test_percentile_and_aggregate():
     assert a["output_tok_per_s"] == pytest.approx(18 / 2.5)
     assert a["tau"] == pytest.approx(16 / 7)
     assert wall_time([]) is None
+
+
+def test_p90_ttft_from_records():
+    # Linear interpolation like the other percentiles: rank 0.9 * 9 = 8.1 -> 0.9 + 0.1 * 0.1
+    # (nearest rank would give 0.9 or 1.0); failed requests and missing TTFTs are left out.
+    recs = [{"ok": True, "ttft_s": t / 10} for t in (7, 3, 10, 1, 5, 9, 2, 8, 4, 6)]
+    recs += [{"ok": False, "ttft_s": 50.0}, {"ok": True, "ttft_s": None}]
+    a = aggregate(recs, wall_s=1.0)
+    assert a["p90_ttft_s"] == pytest.approx(0.91) and a["median_ttft_s"] == pytest.approx(0.55)
+    assert aggregate([], wall_s=1.0)["p90_ttft_s"] is None
+
+
+def test_hist_between_delta_and_mean():
+    before = {"draft_size_hist": {"0": 5, "2": 10}, "batch_size_hist": {"1": 7}}
+    after = {"draft_size_hist": {"0": 6, "2": 10, "3": 3, "10": 1}, "batch_size_hist": {"1": 7}}
+    mean, hist = hist_between(before, after, "draft_size_hist")
+    assert hist == {"0": 1, "3": 3, "10": 1} and list(hist) == ["0", "3", "10"]  # numeric order
+    assert mean == pytest.approx((0 * 1 + 3 * 3 + 10 * 1) / 5)
+    assert hist_between(before, after, "batch_size_hist") == (None, None)  # counters did not move
+    assert hist_between({}, after, "draft_size_hist") == (None, None)      # older server / SGLang
+    assert hist_between(None, after, "draft_size_hist") == (None, None)
+    assert hist_between(before, {"avg_spec_accept_length": 2.0}, "draft_size_hist") == (None, None)
 
 
 def test_tau_between_counters_and_sglang_average():
@@ -107,16 +130,43 @@ def test_report_files_from_results(tmp_path):
     results = {"config": {"concurrency": [1, 2], "duration_s": 5, "max_tokens": 16,
                           "prompts": "p.jsonl", "n_prompts": 3, "workloads": ["chat"],
                           "endpoints": {"baseline": "u0", "eagle3": "u1"}}, "runs": runs}
+    runs[2]["cells"]["all"].update(mean_draft_size=1.5, mean_batch_size=3.25)   # eagle3 c=1
     results["headline"] = h = headline(results)
     assert h["tpot_speedup"] == pytest.approx(2.0) and h["throughput_ratio"]["2"] == pytest.approx(2.0)
     files = write_report(results, tmp_path)
     for p in files["plots"]:
         assert open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     md = (tmp_path / "report.md").read_text()
-    assert "| eagle3 | 1 | all | 5 | 0 |" in md and "tpot_speedup" in md
+    assert "| eagle3 | 1 | all | 5 | 0 | 50.0 | 60.0 | 20.0 | 50.00 | 2.40 | 1.50 | 3.25 |" in md
+    assert "| baseline | 1 | all | 5 | 0 | 50.0 | 60.0 | 40.0 | 25.00 | 1.00 | - | - |" in md
+    assert "| eagle3 | 1 | chat | 5 | 0 | 50.0 | 60.0 | 20.0 | 50.00 | 2.40 | - | - |" in md
+    assert "| draft size | batch size |" in md and "tpot_speedup" in md
     html = (tmp_path / "report.html").read_text()
     assert html.count("data:image/png;base64,") == 4  # self-contained
     assert json.loads((tmp_path / "results.json").read_text())["headline"]["tpot_speedup"] == 2.0
+
+
+def test_sweep_cells_carry_server_histograms(tmp_path, prompts_file, monkeypatch):
+    from eagle3_platform.bench import run
+
+    calls = []
+
+    def info(url, api_key):  # lifetime counters that grow by one window per snapshot
+        calls.append(url)
+        n = len(calls)
+        return {"draft_size_hist": {"1": n, "3": 3 * n}, "batch_size_hist": {"4": 2 * n}}
+
+    rec = {"ok": True, "start": 0.0, "latency_s": 1.0, "ttft_s": 0.1, "output_tokens": 5,
+           "tpot_s": 0.2, "prompt_idx": 0}
+    monkeypatch.setattr(run, "server_info", info)
+    monkeypatch.setattr(run, "run_locust", lambda *a, **k: [dict(rec)])
+    res = run.run_benchmark("http://x", prompts_file, concurrency=[1], duration_s=1,
+                            out_dir=tmp_path, warmup=False, write_report=False)
+    cells = res["runs"][0]["cells"]
+    assert cells["all"]["draft_size_hist"] == {"1": 1, "3": 3}
+    assert cells["all"]["mean_draft_size"] == pytest.approx(2.5)
+    assert cells["all"]["batch_size_hist"] == {"4": 2} and cells["all"]["mean_batch_size"] == 4.0
+    assert "mean_draft_size" not in cells["chat"]   # server-wide counters: the 'all' cell only
 
 
 def _check_results(res, out, endpoints):
@@ -156,6 +206,7 @@ def test_locust_sweep_against_fake_servers(tmp_path, prompts_file):
     assert cells[("baseline", 2)]["all"]["tau"] == pytest.approx(1.0)
     assert {"chat", "code", "math"} <= set(cells[("eagle3", 1)]) | set(cells[("eagle3", 2)])
     assert res["headline"]["failures"] == 0
+    assert cells[("eagle3", 1)]["all"]["mean_draft_size"] is None  # the fake server has no histograms
 
 
 @pytest.mark.integration

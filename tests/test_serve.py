@@ -271,6 +271,38 @@ def test_concurrent_clients_all_served(tok):
         info = httpx.get(srv.url + "/server_info").json()
     assert len(results) == n and all(s == 200 for s, _ in results), results
     assert info["requests_ok"] == n and info["generated_tokens"] == 8 * n
+    assert max(b for kind, b in engine.events if kind == "step") > 1  # decoded together
+    assert sum(info["batch_size_hist"].values()) == info["batch_steps"] > 0
+
+
+def test_a_request_joins_the_running_batch_and_long_prompts_are_chunked(tok):
+    """A later request starts streaming while an earlier one is still decoding (it joins the batch at
+    the next step instead of waiting), and its long prompt is prefilled in chunks between steps."""
+    import time
+
+    engine = FakeEngine(word_token_ids(tok), chunk=1, delay_s=0.02)
+    app, _ = make_app(tok, engine=engine, prefill_chunk=8)
+    done = {}
+    with ThreadServer(app) as srv:
+        def one(name, content, max_tokens):
+            body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
+            r = httpx.post(srv.url + CHAT, json=body, timeout=60)
+            done[name] = (time.perf_counter(), r.status_code)
+
+        long_run = threading.Thread(target=one, args=("long", "q", 40))
+        long_run.start()
+        while not any(kind == "step" for kind, _ in engine.events):
+            time.sleep(0.005)
+        one("short", "a much longer prompt " * 6, 3)
+        long_run.join(60)
+    assert done["short"][1] == done["long"][1] == 200
+    assert done["short"][0] < done["long"][0]  # finished while the long one was still decoding
+    kinds = [kind for kind, _ in engine.events]
+    chunks = [n for kind, n in engine.events if kind == "prefill"][1:]  # the short request's prompt
+    assert len(chunks) > 2 and max(chunks) <= 8
+    first = kinds.index("prefill", 1)
+    assert "step" in kinds[first:first + 2 * len(chunks)]  # decode steps ran between its chunks
+    assert ("step", 2) in engine.events
 
 
 def test_queue_bound_gives_503_json(tok):
@@ -382,6 +414,40 @@ def test_real_engine_through_server_is_lossless(tiny_target_dir, tiny_export):
         if draft is None:
             assert info["avg_spec_accept_length"] == 1.0
     assert outs["eagle3"] == outs["baseline"]
+
+
+def test_real_engine_batched_requests_equal_each_alone(tiny_target_dir, tiny_export):
+    """Concurrent greedy requests (mixed prompt lengths and budgets, staggered) through the batching
+    server give what each request gives alone (fp32: exact), with the draft size chosen per step."""
+    from eagle3_platform.serve.server import build_engine
+
+    engine, target, meta = build_engine(tiny_target_dir, tiny_export, "tree", dtype="float32")
+    prompts = [("What is the capital of France?", 20), ("Sort a list. " * 12, 9),
+               ("Hi", 16), ("Explain hash maps with an example and a short history.", 12)]
+    alone = {}
+    for text, n in prompts:
+        ids = target.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                   add_generation_prompt=True, tokenize=True)["input_ids"]
+        alone[text] = target.tokenizer.decode(engine.generate(ids, n)[0], skip_special_tokens=True)
+    app = build_app(engine, target.tokenizer, ServeConfig(max_tokens=24, prefill_chunk=16),
+                    model_name="eagle3", context_length=512, info=meta)
+    got = {}
+    with ThreadServer(app) as srv:
+        def one(text, n):
+            body = {"messages": [{"role": "user", "content": text}], "max_tokens": n}
+            r = httpx.post(srv.url + CHAT, json=body, timeout=120)
+            got.setdefault(text, set()).add(r.json()["choices"][0]["message"]["content"])
+
+        threads = [threading.Thread(target=one, args=p) for p in prompts * 2]
+        for t in threads:
+            t.start()
+            t.join(0.05)  # staggered arrivals
+        [t.join(120) for t in threads]
+        info = httpx.get(srv.url + "/server_info").json()
+    assert got == {text: {out} for text, out in alone.items()}  # both copies of every prompt
+    assert any(int(b) > 1 for b in info["batch_size_hist"])
+    assert sum(info["draft_size_hist"].values()) == info["batch_steps"]
+    assert info["draft_size_current"] in range(0, 12)
 
 
 @pytest.mark.integration

@@ -6,6 +6,8 @@ Definitions (DESIGN.md §6):
   output throughput = Σ output tokens of completed requests / wall time of the run
   τ     = Σ accepted tokens / Σ verify steps           (per request from the embedded server's
           usage extension; otherwise from /server_info before/after a run)
+  mean draft size / batch size = Σ k·steps / Σ steps over the delta of the embedded server's
+          draft_size_hist / batch_size_hist on /server_info before/after a run
 """
 from __future__ import annotations
 
@@ -95,3 +97,18 @@ def tau_between(before: dict | None, after: dict | None) -> tuple[float | None, 
         return None, None
     fresh = before is None or spec_accept_length(before) is None
     return tau, "server_info" if fresh else "server_info_cumulative"
+
+
+def hist_between(before: dict | None, after: dict | None,
+                 key: str) -> tuple[float | None, dict[str, int] | None]:
+    """Mean and delta of a lifetime {size: decode steps} histogram on /server_info over a window
+    (embedded server: draft_size_hist, batch_size_hist); (None, None) when either snapshot lacks
+    it (SGLang, older servers) or no step was counted in the window."""
+    if not before or not after or key not in before or key not in after:
+        return None, None
+    delta = {k: int(n) - int(before[key].get(k, 0)) for k, n in after[key].items()}
+    delta = {k: n for k, n in sorted(delta.items(), key=lambda kv: int(kv[0])) if n > 0}
+    steps = sum(delta.values())
+    if not steps:
+        return None, None
+    return sum(int(k) * n for k, n in delta.items()) / steps, delta

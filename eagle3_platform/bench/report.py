@@ -23,9 +23,11 @@ TAU_PLOT = "tau_per_workload.png"
 COLUMNS = [("endpoint", None, "{}"), ("concurrency", None, "{}"), ("workload", None, "{}"),
            ("requests", 1, "{:d}"), ("failures", 1, "{:d}"), ("median_ttft_s", 1000, "{:.1f}"),
            ("p90_ttft_s", 1000, "{:.1f}"), ("median_tpot_s", 1000, "{:.1f}"),
-           ("output_tok_per_s", 1, "{:.2f}"), ("tau", 1, "{:.2f}")]
+           ("output_tok_per_s", 1, "{:.2f}"), ("tau", 1, "{:.2f}"),
+           # From the embedded server's /server_info histograms: "-" where not exposed (SGLang).
+           ("mean_draft_size", 1, "{:.2f}", "-"), ("mean_batch_size", 1, "{:.2f}", "-")]
 HEADERS = ["endpoint", "concurrency", "workload", "requests", "failures", "median TTFT ms",
-           "p90 TTFT ms", "median TPOT ms", "output tok/s", "τ"]
+           "p90 TTFT ms", "median TPOT ms", "output tok/s", "τ", "draft size", "batch size"]
 
 
 def rows(results: dict, workload: str | None = ALL) -> list[dict]:
@@ -38,15 +40,15 @@ def rows(results: dict, workload: str | None = ALL) -> list[dict]:
     return out
 
 
-def _cell(row: dict, key: str, scale, fmt: str) -> str:
+def _cell(row: dict, key: str, scale, fmt: str, missing: str = "n/a") -> str:
     v = row.get(key)
     if v is None:
-        return "n/a"
+        return missing
     return fmt.format(v * scale if scale not in (None, 1) else v)
 
 
 def table(rs: list[dict]) -> list[list[str]]:
-    return [[_cell(r, k, s, f) for k, s, f in COLUMNS] for r in rs]
+    return [[_cell(r, *c) for c in COLUMNS] for r in rs]
 
 
 def plot_metric(results: dict, key: str, scale: float, ylabel: str, path: Path) -> None:
@@ -135,8 +137,12 @@ def markdown(results: dict, plots: list[str]) -> str:
     if per_w:
         lines += ["", "## Per workload", "", *_md_table(table(per_w))]
     lines += ["", "TPOT = (latency − TTFT) / (output tokens − 1); τ = accepted tokens / verify "
-              "steps (SGLang's avg_spec_accept_length definition).", ""]
-    if any(i and "max_queue" in i for i in (results.get("servers") or {}).values()):
+              "steps (SGLang's avg_spec_accept_length definition); draft size and batch size = "
+              "mean draft tokens the server chose and mean running requests per decode step "
+              "(server-wide, so in the all-workloads rows only; - where the server does not "
+              "expose them).", ""]
+    servers = (results.get("servers") or {}).values()
+    if any(i and "max_queue" in i and "batch_size_hist" not in i for i in servers):
         lines += ["The embedded CPU server decodes one request at a time (FIFO queue): at higher "
                   "concurrency requests wait in the queue, which shows in TTFT rather than TPOT, "
                   "and output throughput stays roughly flat.", ""]

@@ -11,6 +11,9 @@ class ServeConfig:
     max_tokens: int = 512             # server bound on a request's max_tokens (requests are clamped)
     default_max_tokens: int = 128     # when a request gives none
     max_queue: int = 64               # waiting + running requests; beyond this → 503
+    max_batch: int = 16               # requests decoded together (continuous batching); others wait
+    prefill_chunk: int = 256          # prompt tokens prefilled between two decode steps
+    adaptive_draft: bool = True       # choose the draft size per step from measured cost/acceptance
     max_body_bytes: int = 1 << 20     # request bodies larger than this → 413
     max_stop: int = 4                 # OpenAI allows up to 4 stop strings
     shutdown_grace_s: float = 5.0     # in-flight requests get this long to finish on SIGTERM/SIGINT

@@ -31,6 +31,7 @@ from eagle3_platform.serve import protocol as P
 from eagle3_platform.serve.config import PRESETS, ServeConfig  # noqa: F401  (PRESETS: preset lookup)
 from eagle3_platform.serve.text import TextStream
 from eagle3_platform.serve.worker import EngineWorker, Job, QueueFull
+from eagle3_platform.spec.policy import DraftSizePolicy
 
 log = logging.getLogger("eagle3.serve")
 API_KEY_ENV = "EAGLE3_API_KEY"
@@ -75,7 +76,8 @@ class Service:
         check_api_key(api_key or None)
         self.api_key = api_key or None
         self.info = info or {}
-        self.worker = EngineWorker(engine, cfg.max_queue)
+        self.worker = EngineWorker(engine, cfg.max_queue, cfg.max_batch, cfg.prefill_chunk,
+                                   draft_size_policy(engine, cfg))
         self.started = time.time()
         self.counts = {"requests_total": 0, "requests_rejected": 0, "requests_ok": 0,
                        "requests_failed": 0, "requests_disconnected": 0}
@@ -328,10 +330,19 @@ class Service:
             "requests_completed": t.requests_completed,
             "requests_cancelled": t.requests_cancelled,
             "engine_errors": t.requests_failed,
-            "queue_depth": self.worker.outstanding - int(self.worker.busy),
-            "in_flight": int(self.worker.busy),
+            "queue_depth": self.worker.outstanding - self.worker.in_flight,
+            "in_flight": self.worker.in_flight,
+            **self.worker.info(),
             "uptime_s": round(time.time() - self.started, 3),
         }
+
+
+def draft_size_policy(engine, cfg: ServeConfig) -> DraftSizePolicy | None:
+    """The per-step draft size choice, for an engine that drafts (the baseline has nothing to choose)."""
+    spec = getattr(engine, "cfg", None)
+    if not cfg.adaptive_draft or getattr(engine, "draft", None) is None or spec is None:
+        return None
+    return DraftSizePolicy(spec.num_draft_tokens - 1)
 
 
 def build_app(engine, tokenizer, cfg: ServeConfig | None = None, *, model_name: str = "eagle3",

@@ -1,8 +1,13 @@
-"""One engine, one worker thread, one FIFO queue.
+"""One engine thread running a continuous batch.
 
-The CPU engine decodes one sequence at a time, so requests are served in arrival order: concurrent
-clients wait in the queue (they are never failed for being concurrent); only a full queue is
-refused. The worker hands results back through a thread-safe `emit` callback, one event per chunk:
+Requests wait in a FIFO; each loop the thread (1) admits waiting requests while the batch has room
+and prefills up to `prefill_chunk` prompt tokens (a long prompt is split across loops, so it delays
+every running stream by at most one chunk), then (2) runs one batched step over every running
+request. A request joins the batch at the next step after its prompt is done and leaves when it
+finishes or is cancelled (its slot is free for the next loop). Admission is FIFO: nobody starves.
+Only a full queue is refused.
+
+The worker hands results back through each job's thread-safe `emit` callback, one event per chunk:
 ("tokens", list[int]) …, then exactly one terminal event ("done", info) or ("error", message).
 """
 from __future__ import annotations
@@ -12,6 +17,7 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -29,6 +35,9 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     satisfied: bool = False   # set with `cancelled` when the caller has all it needs (stop string)
     id: int = 0
+    request: object = None    # the engine's per-request state once admitted
+    n_tokens: int = 0         # tokens emitted so far
+    t0: float = 0.0
 
 
 @dataclass
@@ -44,6 +53,8 @@ class Totals:
     requests_completed: int = 0
     requests_cancelled: int = 0
     requests_failed: int = 0
+    batch_steps: int = 0
+    batch_size_hist: Counter = field(default_factory=Counter)  # running batch size -> steps
 
 
 class QueueFull(Exception):
@@ -51,14 +62,17 @@ class QueueFull(Exception):
 
 
 class EngineWorker:
-    def __init__(self, engine, max_queue: int):
-        self.engine = engine
-        self.max_queue = max_queue
+    def __init__(self, engine, max_queue: int, max_batch: int = 16, prefill_chunk: int = 256,
+                 policy=None):
+        self.engine, self.max_queue = engine, max_queue
+        self.max_batch, self.prefill_chunk, self.policy = max_batch, prefill_chunk, policy
         self.totals = Totals()
         self._q: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
-        self._outstanding = 0          # queued + running
-        self._running: Job | None = None
+        self._outstanding = 0          # queued + prefilling + running
+        self._waiting: deque[Job] = deque()
+        self._prefilling: Job | None = None
+        self._running: list[Job] = []
         self._ids = itertools.count(1)
         self._thread = threading.Thread(target=self._run, name="engine-worker", daemon=True)
         self._stopping = False
@@ -70,8 +84,6 @@ class EngineWorker:
     def stop(self, timeout: float) -> None:
         """Cancel what is running and queued, then let the thread exit."""
         self._stopping = True
-        if self._running is not None:
-            self._running.cancelled.set()
         self._q.put(None)
         self._thread.join(timeout)
 
@@ -81,8 +93,9 @@ class EngineWorker:
         return self._outstanding
 
     @property
-    def busy(self) -> bool:
-        return self._running is not None
+    def in_flight(self) -> int:
+        """Requests in the batch or prefilling."""
+        return len(self._running) + int(self._prefilling is not None)
 
     def submit(self, job: Job) -> Job:
         with self._lock:
@@ -95,73 +108,145 @@ class EngineWorker:
         self._q.put(job)
         return job
 
+    def info(self) -> dict:
+        t = self.totals
+        out = {"max_batch": self.max_batch, "running_batch": len(self._running),
+               "batch_steps": t.batch_steps,
+               "batch_size_hist": {str(b): n for b, n in sorted(t.batch_size_hist.items())},
+               "mean_batch_size": (sum(b * n for b, n in t.batch_size_hist.items()) / t.batch_steps
+                                   if t.batch_steps else None)}
+        return {**out, **(self.policy.info() if self.policy is not None else {})}
+
     # -- the thread ----------------------------------------------------------------------------
     def _run(self) -> None:
+        batch = self.engine.batch()
         while True:
-            job = self._q.get()
-            if job is None:
+            idle = not (self._waiting or self._prefilling or self._running)
+            if not self._pull(block=idle) or self._stopping:
                 break
+            self._drop_cancelled(batch)
             try:
-                if self._stopping:
-                    job.emit(("error", "server is shutting down"))
-                elif job.cancelled.is_set():
-                    self.totals.requests_cancelled += 1
-                    job.emit(("done", {"cancelled": True, "generated_tokens": 0, "verify_steps": 0}))
-                else:
-                    self._running = job
-                    self._serve(job)
-            finally:
-                self._running = None
-                with self._lock:
-                    self._outstanding -= 1
-        # Anything still queued at shutdown gets a terminal event so no handler waits forever.
-        while not self._q.empty():
-            job = self._q.get_nowait()
-            if job is not None:
-                job.emit(("error", "server is shutting down"))
+                self._prefill(batch)
+                if self._running:
+                    self._step(batch)
+            except Exception as e:  # an engine bug fails the requests it touched, not the server
+                log.exception("engine error")
+                for job in self._running + [self._prefilling]:
+                    if job is not None:
+                        self._fail(job, f"engine error: {type(e).__name__}")
+                self._running, self._prefilling = [], None
+                batch = self.engine.batch()  # the old batch's state is suspect
+        self._shutdown(batch)
 
-    def _serve(self, job: Job) -> None:
-        t0 = time.perf_counter()
-        n_tokens = n_chunks = n_first = 0
-        if hasattr(self.engine, "last_stats"):
-            self.engine.last_stats = {}
-        gen = self.engine.stream(job.input_ids, job.max_new_tokens, temperature=job.temperature,
-                                 stop=tuple(job.stop), seed=job.seed)
+    def _pull(self, block: bool) -> bool:
+        """Move submitted jobs to the waiting line; False once stop() was called."""
         try:
-            for chunk in gen:
-                chunk = [int(t) for t in chunk]
-                n_first = n_first or len(chunk)
-                n_tokens, n_chunks = n_tokens + len(chunk), n_chunks + 1
-                job.emit(("tokens", chunk))
-                if job.cancelled.is_set():
-                    break
-        except Exception as e:  # an engine bug must fail this request, not the server
-            self.totals.requests_failed += 1
-            log.exception("request %d: engine error", job.id)
-            job.emit(("error", f"engine error: {type(e).__name__}"))
-            return
-        finally:
-            gen.close()
-        info = self._stats(n_tokens, n_chunks, n_first, finished=not job.cancelled.is_set())
-        info.update(cancelled=job.cancelled.is_set() and not job.satisfied,
-                    seconds=time.perf_counter() - t0)
+            job = self._q.get() if block else self._q.get_nowait()
+            while True:
+                if job is None:
+                    return False
+                self._waiting.append(job)
+                job = self._q.get_nowait()
+        except queue.Empty:
+            return True
+
+    def _drop_cancelled(self, batch) -> None:
+        """A client that left frees its slot now (queued, prefilling or running)."""
+        for job in [j for j in self._waiting if j.cancelled.is_set()]:
+            self._waiting.remove(job)
+            self._finish(job, {"generated_tokens": 0, "verify_steps": 0})
+        if self._prefilling is not None and self._prefilling.cancelled.is_set():
+            job, self._prefilling = self._prefilling, None
+            self._finish(job, batch.close(job.request))
+        for job in [j for j in self._running if j.cancelled.is_set()]:
+            self._running.remove(job)
+            self._finish(job, batch.close(job.request))
+
+    def _prefill(self, batch) -> None:
+        """Up to prefill_chunk prompt tokens, over as many waiting requests as fit."""
+        budget = self.prefill_chunk
+        while budget > 0:
+            if self._prefilling is None:
+                if not self._waiting or len(self._running) >= self.max_batch:
+                    return
+                job = self._prefilling = self._waiting.popleft()
+                job.t0 = time.perf_counter()
+                job.request = batch.open(job.input_ids, job.max_new_tokens, job.temperature,
+                                         tuple(job.stop), job.seed)
+            job, r = self._prefilling, self._prefilling.request
+            n = min(budget, len(r.ids) - r.prefilled)
+            budget -= n
+            out = batch.prefill(r, n)
+            if out is None:
+                return
+            self._prefilling = None
+            self._running.append(job)
+            self._deliver(batch, job, out)
+
+    def _step(self, batch) -> None:
+        jobs = {j.request: j for j in self._running}
+        k = self.policy.choose(len(jobs)) if self.policy is not None else None
+        t0 = time.perf_counter()
+        out = batch.step(k) if k is not None else batch.step()
+        seconds = time.perf_counter() - t0
+        self.totals.batch_steps += 1
+        self.totals.batch_size_hist[len(jobs)] += 1
+        if self.policy is not None:
+            self.policy.observe(len(jobs), k, seconds, [r.last_accepted for r, _ in out])
+        for r, toks in out:
+            self._deliver(batch, jobs[r], toks)
+
+    def _deliver(self, batch, job: Job, toks: list[int]) -> None:
+        if toks:
+            job.n_tokens += len(toks)
+            job.emit(("tokens", [int(t) for t in toks]))
+        if job.request.done:
+            if job in self._running:
+                self._running.remove(job)
+            self._finish(job, batch.close(job.request))
+
+    # -- endings -------------------------------------------------------------------------------
+    def _finish(self, job: Job, stats: dict) -> None:
+        cancelled = job.cancelled.is_set() and not job.satisfied
+        finished = job.request is not None and job.request.done
+        gen, steps = int(stats.get("generated_tokens", 0)), int(stats.get("verify_steps", 0))
+        info = {"generated_tokens": gen, "accepted_tokens": max(0, gen - 1), "verify_steps": steps,
+                "finish_reason": stats.get("finish_reason") if finished else None,
+                "cancelled": cancelled, "seconds": time.perf_counter() - job.t0 if job.t0 else 0.0}
         t = self.totals
-        t.generated_tokens += info["generated_tokens"]
+        t.generated_tokens += gen
         t.accepted_tokens += info["accepted_tokens"]
-        t.verify_steps += info["verify_steps"]
-        if info["cancelled"]:
+        t.verify_steps += steps
+        if cancelled:
             t.requests_cancelled += 1
         else:
             t.requests_completed += 1
+        self._release()
         job.emit(("done", info))
 
-    def _stats(self, n_tokens: int, n_chunks: int, n_first: int, finished: bool) -> dict:
-        """Prefer the engine's accounting (SpecEngine: first token from the prefill, then one chunk
-        per verify step); for an interrupted stream fall back to what was counted here."""
-        stats = getattr(self.engine, "last_stats", None) or {}
-        if finished and "generated_tokens" in stats and "verify_steps" in stats:
-            gen, steps = int(stats["generated_tokens"]), int(stats["verify_steps"])
-            return {"generated_tokens": gen, "accepted_tokens": max(0, gen - 1),
-                    "verify_steps": steps, "finish_reason": stats.get("finish_reason")}
-        return {"generated_tokens": n_tokens, "accepted_tokens": n_tokens - n_first,
-                "verify_steps": max(0, n_chunks - 1), "finish_reason": None}
+    def _fail(self, job: Job, message: str, count: bool = True) -> None:
+        self.totals.requests_failed += int(count)
+        self._release()
+        job.emit(("error", message))
+
+    def _release(self) -> None:
+        with self._lock:
+            self._outstanding -= 1
+
+    def _shutdown(self, batch) -> None:
+        """Every job still held gets a terminal event so no handler waits forever."""
+        for job in self._running + ([self._prefilling] if self._prefilling else []):
+            job.cancelled.set()
+            self._finish(job, batch.close(job.request))
+        self._running, self._prefilling = [], None
+        while True:
+            try:
+                job = self._q.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                self._waiting.append(job)
+        for job in self._waiting:
+            self._fail(job, "server is shutting down", count=False)
+        self._waiting.clear()
+

@@ -43,6 +43,7 @@ class Request:
         self.n = 0  # committed tokens (in the batch cache)
         self.pending = -1  # x_n
         self.steps, self.hist = 0, Counter()
+        self.last_accepted = 0  # draft tokens accepted in the last step
         self.t0, self.t_prefill = time.perf_counter(), 0.0
 
     @property
@@ -135,7 +136,7 @@ class Batch:
             if r.drafter is not None:  # entries n..n+m = (g of root/accepted nodes, next token)
                 r.drafter.commit(aux[b:b + 1, path], torch.tensor(new))
             r.n, r.pending = r.n + len(path), bonus
-            r.steps += 1
+            r.steps, r.last_accepted = r.steps + 1, len(path) - 1
             r.hist[len(new)] += 1
             out.append((r, r.fin.push(new)))
         return out

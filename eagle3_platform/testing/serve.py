@@ -1,7 +1,7 @@
 """A deterministic stand-in engine for server/bench tests (no torch, no model).
 
-`FakeEngine` implements the SpecEngine surface the server uses: `.stream(...)` yielding chunks of
-token ids and `last_stats` after the stream ends. `python -m eagle3_platform.testing.serve` serves it
+`FakeEngine` implements the SpecEngine surface the server uses: `.batch()` (open / prefill / step /
+close, see spec/batch.py) and `.stream(...)` over it. `python -m eagle3_platform.testing.serve` serves it
 over HTTP exactly like `eagle3 serve` (same app, same shutdown path) so subprocess tests are fast.
 """
 from __future__ import annotations
@@ -16,10 +16,70 @@ from typing import Iterator, Sequence
 from eagle3_platform.draft.metrics import acceptance_length
 
 
-class FakeEngine:
-    """Emits text token ids cycling through `vocab_ids`: one from the "prefill", then `chunk` ids
-    per "verify step" (SpecEngine's accounting: τ = (generated - 1) / verify_steps)."""
+class FakeRequest:
+    """Emits text token ids cycling through the engine's `vocab_ids`: one from the "prefill", then
+    `chunk` ids per "verify step" (SpecEngine's accounting: τ = (generated - 1) / verify_steps)."""
 
+    def __init__(self, engine: "FakeEngine", input_ids, max_new_tokens, temperature, stop, seed):
+        engine.calls.append({"n_prompt": len(input_ids), "max_new_tokens": max_new_tokens,
+                             "temperature": temperature, "stop": tuple(stop), "seed": seed})
+        rng = random.Random(seed if seed is not None else sum(input_ids))
+        self.engine, self.ids, self.max_new = engine, list(input_ids), max_new_tokens
+        self.start = rng.randrange(len(engine.vocab_ids)) if temperature > 0 else len(input_ids)
+        self.produced, self.steps, self.last_accepted = 0, -1, 0  # the first chunk is the prefill's
+        self.prefilled = 0
+
+    @property
+    def done(self) -> bool:
+        return self.produced >= self.max_new
+
+    def next_chunk(self) -> list[int]:
+        e = self.engine
+        if e.fail_after is not None and self.produced >= e.fail_after:
+            raise RuntimeError("fake engine failure")
+        n = min(e.chunk if self.produced else 1, self.max_new - self.produced)
+        out = [e.vocab_ids[(self.start + self.produced + i) % len(e.vocab_ids)] for i in range(n)]
+        self.produced, self.steps, self.last_accepted = self.produced + n, self.steps + 1, n - 1
+        if e.delay_s:
+            time.sleep(e.delay_s)
+        return out
+
+    def stats(self) -> dict:
+        steps = max(self.steps, 0)
+        return {"generated_tokens": self.produced, "verify_steps": steps,
+                "acceptance_length": acceptance_length(max(self.produced - 1, 0), steps),
+                "finish_reason": "length" if self.done else None}
+
+
+class FakeBatch:
+    """The Batch surface the server's worker drives (open / prefill / step / close)."""
+
+    def __init__(self, engine: "FakeEngine"):
+        self.engine, self.rows = engine, []
+
+    def open(self, input_ids, max_new_tokens, temperature=0.0, stop=(), seed=None) -> FakeRequest:
+        return FakeRequest(self.engine, input_ids, max_new_tokens, temperature, stop, seed)
+
+    def prefill(self, r: FakeRequest, max_tokens=None):
+        start = r.prefilled
+        r.prefilled = len(r.ids) if max_tokens is None else min(len(r.ids), r.prefilled + max_tokens)
+        self.engine.events.append(("prefill", r.prefilled - start))
+        if r.prefilled < len(r.ids):
+            return None
+        self.rows.append(r)
+        return r.next_chunk()
+
+    def step(self, max_draft_tokens=None):
+        self.engine.events.append(("step", len(self.rows)))
+        return [(r, r.next_chunk()) for r in list(self.rows)]
+
+    def close(self, r: FakeRequest) -> dict:
+        if r in self.rows:
+            self.rows.remove(r)
+        return r.stats()
+
+
+class FakeEngine:
     def __init__(self, vocab_ids: Sequence[int], eos_id: int | None = None, chunk: int = 2,
                  delay_s: float = 0.0, fail_after: int | None = None):
         self.vocab_ids = list(vocab_ids)
@@ -29,26 +89,20 @@ class FakeEngine:
         self.fail_after = fail_after
         self.last_stats: dict = {}
         self.calls: list[dict] = []
+        # ("prefill", prompt tokens) / ("step", running rows), in order: tests of the scheduling
+        self.events: list[tuple[str, int]] = []
+
+    def batch(self) -> FakeBatch:
+        return FakeBatch(self)
 
     def stream(self, input_ids, max_new_tokens, temperature=0.0, stop=(), seed=None
                ) -> Iterator[list[int]]:
-        self.calls.append({"n_prompt": len(input_ids), "max_new_tokens": max_new_tokens,
-                           "temperature": temperature, "stop": tuple(stop), "seed": seed})
-        rng = random.Random(seed if seed is not None else sum(input_ids))
-        start = rng.randrange(len(self.vocab_ids)) if temperature > 0 else len(input_ids)
-        produced, steps = 0, -1  # the first chunk is the prefill's token
-        while produced < max_new_tokens:
-            if self.fail_after is not None and produced >= self.fail_after:
-                raise RuntimeError("fake engine failure")
-            n = min(self.chunk if produced else 1, max_new_tokens - produced)
-            out = [self.vocab_ids[(start + produced + i) % len(self.vocab_ids)] for i in range(n)]
-            produced, steps = produced + n, steps + 1
-            if self.delay_s:
-                time.sleep(self.delay_s)
-            yield out
-        self.last_stats = {"generated_tokens": produced, "verify_steps": steps,
-                           "acceptance_length": acceptance_length(max(produced - 1, 0), steps),
-                           "finish_reason": "length"}
+        batch = self.batch()
+        r = batch.open(input_ids, max_new_tokens, temperature, stop, seed)
+        yield batch.prefill(r)
+        while not r.done:
+            yield batch.step()[0][1]
+        self.last_stats = batch.close(r)
 
     def generate(self, input_ids, max_new_tokens, temperature=0.0, stop=(), seed=None):
         toks = [t for c in self.stream(input_ids, max_new_tokens, temperature, stop, seed) for t in c]
