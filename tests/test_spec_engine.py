@@ -159,11 +159,34 @@ def test_chain_fast_path_drafts_what_the_tree_code_drafts(target, random_draft, 
     width, vocab = random_draft.fc.in_features, target.model.config.vocab_size
     drafter = EagleDrafter(random_draft, cfg)
     drafter.prefill(torch.randn(1, 9, width, generator=g), torch.randint(0, vocab, (9,), generator=g))
+    drafter._append_queued()
     for budget in (cfg.num_draft_tokens - 1, 1):  # the settings' size, and a server's smaller cap
         fast, general = drafter._propose_chain(5, budget), drafter._propose_tree(5, budget)
         assert len(fast) <= budget + 1 and (cfg.min_draft_prob > 0 or len(fast) == budget + 1)
         assert fast.tokens.tolist() == general.tokens.tolist()
         assert fast.parents.tolist() == general.parents.tolist()
+
+
+def test_lazily_appended_draft_entries_equal_eager_ones(target, random_draft):
+    """Entries queued over several steps and appended in one draft forward (a server step with draft
+    size 0 does not run the head) give the drafts that appending after every step gives."""
+    from eagle3_platform.spec.drafter import EagleDrafter
+
+    g = torch.Generator().manual_seed(3)
+    width, vocab = random_draft.fc.in_features, target.model.config.vocab_size
+    steps = [(torch.randn(1, m, width, generator=g), torch.randint(0, vocab, (m,), generator=g))
+             for m in (9, 1, 3, 1, 2)]  # the prompt, then root + accepted nodes per step
+    eager, lazy = EagleDrafter(random_draft, PRESETS["tree"]), EagleDrafter(random_draft, PRESETS["tree"])
+    for d in (eager, lazy):
+        d.prefill(*steps[0])
+    for aux, toks in steps[1:]:
+        eager.propose(7)
+        eager.commit(aux, toks)
+        lazy.commit(aux, toks)
+    a, b = eager.propose(7), lazy.propose(7)
+    assert eager.n == lazy.n == 16
+    assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
+    torch.testing.assert_close(eager.h_last, lazy.h_last, atol=1e-4, rtol=1e-4)
 
 
 def test_min_draft_prob_cuts_the_draft_and_keeps_output(target, refs, random_draft):

@@ -39,23 +39,35 @@ class Drafter(Protocol):
 
 
 class EagleDrafter:
+    """Entries are appended lazily: `commit` only queues (aux, next tokens), and the queue runs as one
+    draft forward when the next draft is asked for. A server step that verifies no draft (draft size
+    0) then costs the drafter nothing, and entries queued over several steps run together."""
+
     def __init__(self, draft, cfg: SpecConfig):
         self.draft, self.cfg = draft, cfg
         self.k = self.v = None  # committed draft KV, each [1,n_kv,n,hd]
         self.h_last = None  # [1,1,H]
+        self._queued: list[tuple[torch.Tensor, torch.Tensor]] = []  # (aux [1,T,3H], next tokens [T])
 
     @property
     def n(self) -> int:
         return 0 if self.k is None else self.k.shape[2]
 
-    @torch.no_grad()
     def prefill(self, aux, next_tokens):
         self.k = self.v = None
-        self.commit(aux, next_tokens)
+        self._queued = [(aux, next_tokens)]
+
+    def commit(self, aux, next_tokens):
+        self._queued.append((aux, next_tokens))
 
     @torch.no_grad()
-    def commit(self, aux, next_tokens):
+    def _append_queued(self):
         """Append entries n..n+T-1 = (g, emb(next token)), causal over the committed prefix."""
+        if not self._queued:
+            return
+        aux = torch.cat([a for a, _ in self._queued], dim=1)  # [1,T,3H]
+        next_tokens = torch.cat([t for _, t in self._queued])  # [T]
+        self._queued = []
         d, n, t = self.draft, self.n, aux.shape[1]
         pos = torch.arange(n, n + t)[None]  # [1,T]
         past = None if self.k is None else (self.k, self.v)
@@ -66,6 +78,7 @@ class EagleDrafter:
 
     @torch.no_grad()
     def propose(self, root: int, max_tokens: int | None = None) -> Tree:
+        self._append_queued()
         budget = self.cfg.num_draft_tokens - 1
         budget = budget if max_tokens is None else min(max_tokens, budget)
         return self._propose_chain(root, budget) if self.cfg.eagle_topk == 1 else self._propose_tree(root, budget)
