@@ -153,7 +153,7 @@ def test_bad_arguments(target):
                                  SpecConfig(num_steps=4, eagle_topk=1, num_draft_tokens=5, min_draft_prob=0.02)])
 def test_chain_fast_path_drafts_what_the_tree_code_drafts(target, random_draft, cfg):
     """topk 1 skips the pool and the tree masks; it must propose the same chain as the general code."""
-    from eagle3_platform.spec.drafter import EagleDrafter
+    from eagle3_platform.spec.drafter import EagleDrafter, propose_chains
 
     g = torch.Generator().manual_seed(0)
     width, vocab = random_draft.fc.in_features, target.model.config.vocab_size
@@ -161,10 +161,48 @@ def test_chain_fast_path_drafts_what_the_tree_code_drafts(target, random_draft, 
     drafter.prefill(torch.randn(1, 9, width, generator=g), torch.randint(0, vocab, (9,), generator=g))
     drafter._append_queued()
     for budget in (cfg.num_draft_tokens - 1, 1):  # the settings' size, and a server's smaller cap
-        fast, general = drafter._propose_chain(5, budget), drafter._propose_tree(5, budget)
+        fast, general = propose_chains([drafter], [5], budget)[0], drafter._propose_tree(5, budget)
         assert len(fast) <= budget + 1 and (cfg.min_draft_prob > 0 or len(fast) == budget + 1)
         assert fast.tokens.tolist() == general.tokens.tolist()
         assert fast.parents.tolist() == general.parents.tolist()
+
+
+@pytest.mark.parametrize("min_draft_prob", [0.0, 0.02])
+def test_batched_chains_equal_each_row_alone(target, random_draft, min_draft_prob):
+    """Rows of different lengths and backlogs (a fresh prompt, 1-5 queued entries) drafted together
+    propose what each drafts alone."""
+    from dataclasses import replace
+
+    from eagle3_platform.spec.drafter import EagleDrafter, propose_all
+
+    cfg = replace(PRESETS["chain"], min_draft_prob=min_draft_prob)
+    g = torch.Generator().manual_seed(4)
+    width, vocab = random_draft.fc.in_features, target.model.config.vocab_size
+
+    def feed(m):
+        return torch.randn(1, m, width, generator=g), torch.randint(0, vocab, (m,), generator=g)
+
+    history = [[feed(p)] + [feed(m) for m in steps] for p, steps in
+               ((9, [1, 3]), (4, [5]), (12, []), (6, [2, 1, 1]))]
+    together, alone = [], []
+    for entries in history:
+        for group in (together, alone):
+            x = EagleDrafter(random_draft, cfg)
+            x.prefill(*entries[0])
+            if len(entries) > 1:
+                x.propose(3)  # the prompt is in; the rest stays queued
+                for aux, toks in entries[1:]:
+                    x.commit(aux, toks)
+            group.append(x)
+    roots = [5, 6, 7, 8]
+    for budget in (4, 2):
+        got = propose_all(together, roots, budget)
+        want = [x.propose(r, budget) for x, r in zip(alone, roots)]
+        assert [t.tokens.tolist() for t in got] == [t.tokens.tolist() for t in want]
+    for a, b in zip(together, alone):
+        assert a.n == b.n
+        torch.testing.assert_close(a.k, b.k, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(a.h_last, b.h_last, atol=1e-4, rtol=1e-4)
 
 
 def test_lazily_appended_draft_entries_equal_eager_ones(target, random_draft):

@@ -20,6 +20,9 @@ def add_commands(sub) -> None:
     p.add_argument("--preset", default="demo", choices=sorted(PRESETS), help="server limits preset")
     p.add_argument("--max-tokens", type=int, default=None, help="server bound on max_tokens")
     p.add_argument("--max-queue", type=int, default=None, help="queued+running requests bound")
+    p.add_argument("--max-batch", type=int, default=None, help="requests decoded together")
+    p.add_argument("--fixed-draft", action="store_true",
+                   help="always verify the spec preset's full draft (no per-step draft size choice)")
     p.add_argument("--model-name", default=None, help="id shown by /v1/models")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: the preset's)")
     p.add_argument("--dtype", default=None, help="auto | bfloat16 | float32 (default: the preset's)")
@@ -33,11 +36,14 @@ def serve(a) -> dict:
 
     output_file(a.ready_file, "--ready-file")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    require_positive(max_tokens=a.max_tokens, max_queue=a.max_queue, threads=a.threads)
+    require_positive(max_tokens=a.max_tokens, max_queue=a.max_queue, max_batch=a.max_batch,
+                     threads=a.threads)
     api_key = a.api_key or os.environ.get(API_KEY_ENV)
     check_api_key(api_key)  # before the model loads: a key no client can send is a startup error
     cfg = PRESETS[a.preset].with_(host=a.host, port=a.port, max_tokens=a.max_tokens,
-                                  max_queue=a.max_queue, model_name=a.model_name,
+                                  max_queue=a.max_queue, max_batch=a.max_batch,
+                                  adaptive_draft=False if a.fixed_draft else None,
+                                  model_name=a.model_name,
                                   torch_threads=a.threads, dtype=a.dtype)
     if cfg.torch_threads:
         import torch

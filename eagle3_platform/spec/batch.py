@@ -22,6 +22,7 @@ import torch
 
 from eagle3_platform.draft.metrics import acceptance_length
 from eagle3_platform.kv_cache import GrowingCache
+from eagle3_platform.spec.drafter import propose_all
 from eagle3_platform.spec.ragged import RaggedCache
 from eagle3_platform.spec.sampling import greedy, target_probs, verify_greedy, verify_sampling
 from eagle3_platform.spec.stops import Finisher
@@ -121,7 +122,7 @@ class Batch:
         """One verify step over every running row -> (request, tokens it may emit now) per row.
         max_draft_tokens caps each row's draft (0 = plain decoding this step; None = the config)."""
         rows, e = self.rows, self.engine
-        trees = [self._propose(r, max_draft_tokens) for r in rows]
+        trees = self._propose(rows, max_draft_tokens)
         q = max(len(t) for t in trees)
         tokens, pos, anc = _pad_trees(trees, q, self.cache.lengths)  # [B,q], [B,q], [B,q,q]
         self.cache.begin(q)
@@ -152,10 +153,15 @@ class Batch:
         return r.stats()
 
     # ---- per row -------------------------------------------------------------------------------
-    def _propose(self, r: Request, max_draft_tokens: int | None) -> Tree:
-        if r.drafter is None or max_draft_tokens == 0:
-            return root_only(r.pending)
-        return r.drafter.propose(r.pending, max_draft_tokens)
+    def _propose(self, rows: list[Request], max_draft_tokens: int | None) -> list[Tree]:
+        """Every row's draft tree (its pending root alone where there is no draft this step)."""
+        trees = [root_only(r.pending) for r in rows]
+        drafting = [b for b, r in enumerate(rows) if r.drafter is not None and max_draft_tokens != 0]
+        proposed = propose_all([rows[b].drafter for b in drafting], [rows[b].pending for b in drafting],
+                               max_draft_tokens)
+        for b, tree in zip(drafting, proposed):
+            trees[b] = tree
+        return trees
 
     def _accept(self, tree: Tree, logits: torch.Tensor, r: Request) -> tuple[list[int], int]:
         # Greedy invariant: output equals target greedy decoding token for token (verify_greedy).

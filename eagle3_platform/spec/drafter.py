@@ -81,7 +81,9 @@ class EagleDrafter:
         self._append_queued()
         budget = self.cfg.num_draft_tokens - 1
         budget = budget if max_tokens is None else min(max_tokens, budget)
-        return self._propose_chain(root, budget) if self.cfg.eagle_topk == 1 else self._propose_tree(root, budget)
+        if self.cfg.eagle_topk == 1:
+            return propose_chains([self], [root], budget)[0]
+        return self._propose_tree(root, budget)
 
     def _propose_tree(self, root: int, budget: int) -> Tree:
         pool = _Pool()
@@ -100,31 +102,6 @@ class EagleDrafter:
             frontier, hidden = self._expand(pool, frontier, h, k)
         return pool.to_tree(root, budget, self.draft, self.cfg.min_draft_prob)
 
-    def _propose_chain(self, root: int, budget: int) -> Tree:
-        """topk = 1: the tree is a chain, so each draft entry sees the prefix and the entries before it
-        (a causal mask) and no pool is needed. Same tokens as the tree code with k = 1 (argmax of the
-        logits = argmax of the log-probs; the first `budget` steps are the best ones),
-        cut where the path's draft probability falls below min_draft_prob."""
-        d, n = self.draft, self.n
-        steps = min(self.cfg.num_steps, budget)
-        h, past_k, past_v = self.h_last, self.k, self.v
-        picks, path_logp = [], 0.0
-        for step in range(1, steps + 1):
-            logits = d.logits(h)[0, -1].float()  # [Vd]
-            pick = logits.argmax()  # draft id of the depth-`step` node
-            if self.cfg.min_draft_prob > 0:
-                path_logp += float(torch.log_softmax(logits, -1)[pick])
-                if path_logp < math.log(self.cfg.min_draft_prob):
-                    break
-            picks.append(pick)
-            if step == steps:
-                break
-            ids = d.to_target_ids(pick)[None, None]  # [1,1]
-            h, (k, v) = d.backbone(d.embed(ids), h, torch.tensor([[n - 1 + step]]), None, (past_k, past_v))
-            past_k, past_v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
-        tokens = d.to_target_ids(torch.stack(picks)) if picks else torch.empty(0, dtype=torch.long)
-        return Tree(torch.cat([torch.tensor([root]), tokens.long()]), torch.arange(-1, len(picks)))
-
     def _run_frontier(self, pool, frontier, hidden, tree_k, tree_v, step):
         """One draft forward over the frontier (depth `step` nodes) as new entries."""
         d, n = self.draft, self.n
@@ -138,7 +115,7 @@ class EagleDrafter:
             allowed[row, n + pool.n_entries + row] = True  # itself
         past_k = self.k if tree_k is None else torch.cat([self.k, tree_k], dim=2)
         past_v = self.v if tree_v is None else torch.cat([self.v, tree_v], dim=2)
-        mask = additive_mask(allowed, hidden.dtype)  # [1,1,F,n+E+F]
+        mask = additive_mask(allowed, hidden.dtype)[None, None]  # [1,1,F,n+E+F]
         return d.backbone(d.embed(ids), hidden, pos, mask, (past_k, past_v))
 
     def _expand(self, pool, frontier, h, k):
@@ -151,6 +128,105 @@ class EagleDrafter:
         added = pool.add(parents, top.indices.reshape(-1), scores)
         best = scores.topk(min(k, scores.numel())).indices.sort().values  # keep creation order
         return [added[i] for i in best.tolist()], h[:, parent_rows[best]]  # hidden [1,k,H]
+
+
+def propose_all(drafters: list, roots: list[int], max_tokens: int | None) -> list[Tree]:
+    """Drafts for the rows of a batch: chains of EagleDrafters sharing a head run as one batched
+    draft forward per depth; anything else (trees, test drafters) drafts row by row."""
+    first = drafters[0] if drafters else None
+    if len(drafters) > 1 and all(isinstance(d, EagleDrafter) and d.cfg.eagle_topk == 1
+                                 and d.draft is first.draft and d.cfg == first.cfg for d in drafters):
+        budget = first.cfg.num_draft_tokens - 1
+        return propose_chains(drafters, roots, budget if max_tokens is None else min(max_tokens, budget))
+    return [d.propose(r, max_tokens) for d, r in zip(drafters, roots)]
+
+
+@torch.no_grad()
+def propose_chains(drafters: list[EagleDrafter], roots: list[int], budget: int) -> list[Tree]:
+    """topk = 1 for B rows at once: each depth is one draft forward over the B rows' newest entries
+    (each sees its own committed prefix, padded to the longest, and its own chain so far). Same tokens
+    as the tree code with k = 1 (argmax of the logits = argmax of the log-probs; the first `budget`
+    steps are the best ones); a row's chain is cut where its path's draft probability falls below
+    min_draft_prob."""
+    _append_queued_many(drafters)
+    d, cfg, B = drafters[0].draft, drafters[0].cfg, len(drafters)
+    steps = min(cfg.num_steps, budget)
+    n = torch.tensor([x.n for x in drafters])  # [B]
+    past_k, past_v, allowed = _padded_past(drafters)  # [B,kv,P,hd] x2, bool [B,P] | None
+    h = torch.cat([x.h_last for x in drafters])  # [B,1,H]
+    picks, alive, path_logp = [], torch.ones(B, dtype=torch.bool), torch.zeros(B)
+    for step in range(1, steps + 1):
+        logits = d.logits(h)[:, -1].float()  # [B,Vd]
+        pick = logits.argmax(-1)  # [B] draft ids of the depth-`step` nodes
+        if cfg.min_draft_prob > 0:
+            path_logp += torch.log_softmax(logits, -1).gather(1, pick[:, None])[:, 0]
+            alive &= path_logp >= math.log(cfg.min_draft_prob)
+        picks.append((pick, alive.clone()))
+        if step == steps or not alive.any():
+            break
+        mask = None
+        if allowed is not None:  # the new entry sees its row's prefix and chain, and itself
+            allowed = torch.cat([allowed, torch.ones(B, 1, dtype=torch.bool)], 1)  # [B,P+s]
+            mask = additive_mask(allowed[:, None, None, :], h.dtype)  # [B,1,1,P+s]
+        ids = d.to_target_ids(pick)[:, None]  # [B,1]
+        h, (k, v) = d.backbone(d.embed(ids), h, (n - 1 + step)[:, None], mask, (past_k, past_v))
+        past_k, past_v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+    trees = []
+    for b, root in enumerate(roots):
+        kept = [p[b] for p, ok in picks if ok[b]]  # alive only shrinks: a prefix of the chain
+        tokens = d.to_target_ids(torch.stack(kept)) if kept else torch.empty(0, dtype=torch.long)
+        trees.append(Tree(torch.cat([torch.tensor([root]), tokens.long()]), torch.arange(-1, len(kept))))
+    return trees
+
+
+MAX_BATCHED_APPEND = 16  # queued entries per row appended in one batched forward; longer ones alone
+
+
+def _append_queued_many(drafters: list[EagleDrafter]) -> None:
+    """Each drafter's queued entries, the short queues of all rows as one padded draft forward (a
+    step's root + accepted nodes); a prompt (or a long backlog) runs alone, not padded to."""
+    short = [x for x in drafters if x._queued and x.k is not None
+             and sum(t.numel() for _, t in x._queued) <= MAX_BATCHED_APPEND]
+    for x in drafters:
+        if x._queued and x not in short:
+            x._append_queued()
+    if len(short) < 2:
+        for x in short:
+            x._append_queued()
+        return
+    d, B = short[0].draft, len(short)
+    aux = [torch.cat([a for a, _ in x._queued], dim=1)[0] for x in short]  # [T_b,3H]
+    toks = [torch.cat([t for _, t in x._queued]) for x in short]  # [T_b]
+    T = torch.tensor([len(t) for t in toks])
+    n = torch.tensor([x.n for x in short])
+    past_k, past_v, prefix = _padded_past(short)  # prefix bool [B,P]
+    aux = torch.nn.utils.rnn.pad_sequence(aux, batch_first=True)  # [B,Tm,3H]
+    toks = torch.nn.utils.rnn.pad_sequence(toks, batch_first=True)  # [B,Tm]
+    Tm = toks.shape[1]
+    j = torch.arange(Tm)
+    causal = (j[None, :] <= j[:, None]) & ((j[None, None, :] < T[:, None, None]) | (j[None, :] == j[:, None]))
+    allowed = torch.cat([prefix[:, None, :].expand(B, Tm, -1), causal], dim=2)  # [B,Tm,P+Tm]
+    pos = n[:, None] + j[None, :]  # [B,Tm]; a padding entry's position is never read
+    h, (k, v) = d.backbone(d.embed(toks), d.project(aux), pos, additive_mask(allowed[:, None], aux.dtype),
+                           (past_k, past_v))
+    for b, x in enumerate(short):
+        t = int(T[b])
+        x.k, x.v = torch.cat([x.k, k[b:b + 1, :, :t]], dim=2), torch.cat([x.v, v[b:b + 1, :, :t]], dim=2)
+        x.h_last, x._queued = h[b:b + 1, t - 1:t], []
+
+
+def _padded_past(drafters: list[EagleDrafter]):
+    """Committed draft KV of B rows -> keys, values [B,kv,P,hd] (P = the longest; zeros after a row's
+    own entries, never NaN) and which slots are real, bool [B,P]; one row: its own tensors, None."""
+    if len(drafters) == 1:
+        return drafters[0].k, drafters[0].v, None
+    n = torch.tensor([x.n for x in drafters])
+    P, (_, kv, _, hd) = int(n.max()), drafters[0].k.shape
+    keys = drafters[0].k.new_zeros(len(drafters), kv, P, hd)
+    values = torch.zeros_like(keys)
+    for b, x in enumerate(drafters):
+        keys[b, :, :x.n], values[b, :, :x.n] = x.k[0], x.v[0]
+    return keys, values, torch.arange(P)[None, :] < n[:, None]
 
 
 def _log_probs(draft, h):

@@ -56,10 +56,9 @@ def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """bool [T,S] -> additive float [1,1,T,S]: 0 where attention is allowed, dtype-min elsewhere."""
-    out = torch.zeros(allowed.shape, dtype=dtype)
-    out.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return out[None, None]
+    """bool mask -> additive float mask of the same shape: 0 where attention is allowed, dtype-min
+    elsewhere (finite: a fully masked row gives garbage, never NaN)."""
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 def path_to(parents: torch.Tensor, node: int) -> list[int]:
