@@ -219,6 +219,44 @@ def test_engine_error_is_json_500_and_server_survives(tok):
         assert c.get("/server_info").json()["requests_failed"] == 2
 
 
+def test_a_failing_prefill_fails_only_its_request(tok):
+    """An engine error in one request's prefill answers that request with a 500; the request that
+    is decoding meanwhile finishes normally."""
+    import time
+
+    from eagle3_platform.testing.serve import FakeBatch
+
+    class Engine(FakeEngine):
+        def batch(self):
+            b = FakeBatch(self)
+            prefill = b.prefill
+
+            def failing(r, max_tokens=None):
+                if len(r.ids) > 40:  # the long prompt's prefill breaks
+                    raise RuntimeError("prefill bug")
+                return prefill(r, max_tokens)
+            b.prefill = failing
+            return b
+
+    engine = Engine(word_token_ids(tok), chunk=1, delay_s=0.02)
+    app, _ = make_app(tok, engine=engine)
+    res = {}
+    with ThreadServer(app) as srv:
+        def one(name, content, n):
+            r = httpx.post(srv.url + CHAT, json={"messages": [{"role": "user", "content": content}],
+                                                  "max_tokens": n}, timeout=60)
+            res[name] = r.status_code
+        ok = threading.Thread(target=one, args=("ok", "q", 30))
+        ok.start()
+        while not any(kind == "step" for kind, _ in engine.events):
+            time.sleep(0.005)
+        one("bad", "a long prompt " * 4, 5)
+        ok.join(60)
+        info = httpx.get(srv.url + "/server_info").json()
+    assert res == {"ok": 200, "bad": 500}
+    assert info["engine_errors"] == 1 and info["requests_completed"] == 1
+
+
 def test_text_stream_holds_back_partial_stop_and_utf8(tok):
     ids = tok("héllo wörld foo", add_special_tokens=False)["input_ids"]
     ts = TextStream(tok, stop=["wör"])

@@ -109,12 +109,12 @@ class EngineWorker:
         return job
 
     def info(self) -> dict:
-        t = self.totals
+        t, hist = self.totals, dict(self.totals.batch_size_hist)  # a snapshot: the worker writes
         out = {"max_batch": self.max_batch, "running_batch": len(self._running),
                "batch_steps": t.batch_steps,
-               "batch_size_hist": {str(b): n for b, n in sorted(t.batch_size_hist.items())},
-               "mean_batch_size": (sum(b * n for b, n in t.batch_size_hist.items()) / t.batch_steps
-                                   if t.batch_steps else None)}
+               "batch_size_hist": {str(b): n for b, n in sorted(hist.items())},
+               "mean_batch_size": (sum(b * n for b, n in hist.items()) / sum(hist.values())
+                                   if hist else None)}
         return {**out, **(self.policy.info() if self.policy is not None else {})}
 
     # -- the thread ----------------------------------------------------------------------------
@@ -127,15 +127,24 @@ class EngineWorker:
             self._drop_cancelled(batch)
             try:
                 self._prefill(batch)
+            except Exception as e:  # an engine bug fails the request it touched, not the server
+                log.exception("request %d: engine error in prefill", self._prefilling.id)
+                job, self._prefilling = self._prefilling, None
+                if job.request is not None:
+                    batch.close(job.request)
+                self._fail(job, f"engine error: {type(e).__name__}")
+            try:
                 if self._running:
                     self._step(batch)
-            except Exception as e:  # an engine bug fails the requests it touched, not the server
-                log.exception("engine error")
-                for job in self._running + [self._prefilling]:
-                    if job is not None:
-                        self._fail(job, f"engine error: {type(e).__name__}")
-                self._running, self._prefilling = [], None
-                batch = self.engine.batch()  # the old batch's state is suspect
+            except Exception as e:  # the batch's state is suspect: fail its requests, start afresh
+                log.exception("engine error in a batched step")
+                for job in self._running:
+                    self._fail(job, f"engine error: {type(e).__name__}")
+                self._running = []
+                if self._prefilling is not None:
+                    self._waiting.appendleft(self._prefilling)  # its prompt restarts in the new batch
+                    self._prefilling = None
+                batch = self.engine.batch()
         self._shutdown(batch)
 
     def _pull(self, block: bool) -> bool:

@@ -47,10 +47,10 @@ class DraftSizePolicy:
         """a(k): expected accepted draft tokens per sequence at draft size k (unknown depths: 1)."""
         return sum(self.depth_accept.get(d, 1.0) for d in range(1, k + 1))
 
-    def best(self, batch_size: int) -> int:
-        b = _bucket(batch_size)
-        rates = {k: (1 + self.accepted(k)) / self.cost[b, k]  # x B: the same B for every k
-                 for k in range(self.k_max + 1) if (b, k) in self.cost}
+    def best(self, batch_size: int, cost: dict | None = None) -> int:
+        b, cost = _bucket(batch_size), self.cost if cost is None else cost
+        rates = {k: (1 + self.accepted(k)) / cost[b, k]  # x B: the same B for every k
+                 for k in range(self.k_max + 1) if (b, k) in cost}
         return max(rates, key=rates.get) if rates else self.k_max
 
     def observe(self, batch_size: int, k: int, seconds: float, accepted: list[int]) -> None:
@@ -62,11 +62,13 @@ class DraftSizePolicy:
 
     def info(self) -> dict:
         """For /server_info: the current choice, steps per draft size, the best k per batch size."""
-        sizes = sorted({b for b, _ in self.cost})  # bucket tops
+        # snapshots (dict() copies in one C call): the engine thread updates these while a server
+        # thread reads them
+        hist, accept, cost = dict(self.hist), dict(self.depth_accept), dict(self.cost)
         return {"draft_size_current": self.current,
-                "draft_size_hist": {str(k): n for k, n in sorted(self.hist.items())},
-                "draft_size_by_batch": {str(b): self.best(b) for b in sizes},
-                "accept_rate_by_depth": {str(d): round(g, 3) for d, g in sorted(self.depth_accept.items())}}
+                "draft_size_hist": {str(k): n for k, n in sorted(hist.items())},
+                "draft_size_by_batch": {str(b): self.best(b, cost) for b in sorted({b for b, _ in cost})},
+                "accept_rate_by_depth": {str(d): round(g, 3) for d, g in sorted(accept.items())}}
 
 
 def _bucket(batch_size: int) -> int:
