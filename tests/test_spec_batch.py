@@ -14,7 +14,7 @@ from eagle3_platform.spec.engine import SpecEngine
 from eagle3_platform.spec.ragged import RaggedCache
 from eagle3_platform.testing.oracle import OracleDrafter
 from eagle3_platform.testing.spec import VariedTargetConfig, random_draft, varied_target
-from tests.test_spec_engine import MAX_NEW, PROMPTS, _ids, hf_greedy
+from tests.test_spec_engine import MAX_NEW, PROMPTS, _ids, hf_greedy, target  # noqa: F401 (fixture)
 from tests.test_spec_sampling import P_MIN, chi_square_pvalue, exact_sequence_probs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -23,12 +23,8 @@ LONG = "Explain, step by step and with examples, how a hash map resolves collisi
 
 
 @pytest.fixture(scope="module")
-def target(tiny_target):
-    return varied_target(tiny_target)
-
-
-@pytest.fixture(scope="module")
-def refs(target):
+def refs(target):  # noqa: F811 (the imported fixture)
+    """HF greedy continuations, the long prompt included."""
     eos = SpecEngine(target, None, PRESETS["baseline"]).eos_ids
     return {p: hf_greedy(target, _ids(target, p), MAX_NEW + 8, eos) for p in PROMPTS + [LONG]}
 
