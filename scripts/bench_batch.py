@@ -47,7 +47,7 @@ def run_engine(engine, prompts, max_new, draft_size=None, policy=None):
     while batch.rows:
         k = policy.choose(len(batch.rows)) if policy is not None else draft_size
         ts = time.perf_counter()
-        out = batch.step(k) if k is not None else batch.step()
+        out = batch.step(k)
         if policy is not None:
             policy.observe(len(out), k, time.perf_counter() - ts, [r.last_accepted for r, _ in out])
         for r, toks in out:

@@ -222,8 +222,6 @@ def test_engine_error_is_json_500_and_server_survives(tok):
 def test_a_failing_prefill_fails_only_its_request(tok):
     """An engine error in one request's prefill answers that request with a 500; the request that
     is decoding meanwhile finishes normally."""
-    import time
-
     from eagle3_platform.testing.serve import FakeBatch
 
     class Engine(FakeEngine):
@@ -240,20 +238,10 @@ def test_a_failing_prefill_fails_only_its_request(tok):
 
     engine = Engine(word_token_ids(tok), chunk=1, delay_s=0.02)
     app, _ = make_app(tok, engine=engine)
-    res = {}
     with ThreadServer(app) as srv:
-        def one(name, content, n):
-            r = httpx.post(srv.url + CHAT, json={"messages": [{"role": "user", "content": content}],
-                                                  "max_tokens": n}, timeout=60)
-            res[name] = r.status_code
-        ok = threading.Thread(target=one, args=("ok", "q", 30))
-        ok.start()
-        while not any(kind == "step" for kind, _ in engine.events):
-            time.sleep(0.005)
-        one("bad", "a long prompt " * 4, 5)
-        ok.join(60)
+        res = _second_request_while_the_first_decodes(srv, engine, ("q", 30), ("a long prompt " * 4, 5))
         info = httpx.get(srv.url + "/server_info").json()
-    assert res == {"ok": 200, "bad": 500}
+    assert {k: status for k, (_, status) in res.items()} == {"first": 200, "second": 500}
     assert info["engine_errors"] == 1 and info["requests_completed"] == 1
 
 
@@ -313,28 +301,37 @@ def test_concurrent_clients_all_served(tok):
     assert sum(info["batch_size_hist"].values()) == info["batch_steps"] > 0
 
 
+def _second_request_while_the_first_decodes(srv, engine, first, second) -> dict:
+    """Sends `first` = (content, max_tokens) from a thread, waits for the engine's first decode step,
+    then sends `second`; -> {"first" | "second": (time it finished, status code)}."""
+    import time
+
+    done = {}
+
+    def one(name, content, max_tokens):
+        body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
+        r = httpx.post(srv.url + CHAT, json=body, timeout=60)
+        done[name] = (time.perf_counter(), r.status_code)
+
+    running = threading.Thread(target=one, args=("first", *first))
+    running.start()
+    while not any(kind == "step" for kind, _ in engine.events):
+        time.sleep(0.005)
+    one("second", *second)
+    running.join(60)
+    return done
+
+
 def test_a_request_joins_the_running_batch_and_long_prompts_are_chunked(tok):
     """A later request starts streaming while an earlier one is still decoding (it joins the batch at
     the next step instead of waiting), and its long prompt is prefilled in chunks between steps."""
-    import time
-
     engine = FakeEngine(word_token_ids(tok), chunk=1, delay_s=0.02)
     app, _ = make_app(tok, engine=engine, prefill_chunk=8)
-    done = {}
     with ThreadServer(app) as srv:
-        def one(name, content, max_tokens):
-            body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
-            r = httpx.post(srv.url + CHAT, json=body, timeout=60)
-            done[name] = (time.perf_counter(), r.status_code)
-
-        long_run = threading.Thread(target=one, args=("long", "q", 40))
-        long_run.start()
-        while not any(kind == "step" for kind, _ in engine.events):
-            time.sleep(0.005)
-        one("short", "a much longer prompt " * 6, 3)
-        long_run.join(60)
-    assert done["short"][1] == done["long"][1] == 200
-    assert done["short"][0] < done["long"][0]  # finished while the long one was still decoding
+        done = _second_request_while_the_first_decodes(srv, engine, ("q", 40),
+                                                       ("a much longer prompt " * 6, 3))
+    assert done["second"][1] == done["first"][1] == 200
+    assert done["second"][0] < done["first"][0]  # finished while the first was still decoding
     kinds = [kind for kind, _ in engine.events]
     chunks = [n for kind, n in engine.events if kind == "prefill"][1:]  # the short request's prompt
     assert len(chunks) > 2 and max(chunks) <= 8

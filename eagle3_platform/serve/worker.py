@@ -36,7 +36,6 @@ class Job:
     satisfied: bool = False   # set with `cancelled` when the caller has all it needs (stop string)
     id: int = 0
     request: object = None    # the engine's per-request state once admitted
-    n_tokens: int = 0         # tokens emitted so far
     t0: float = 0.0
 
 
@@ -196,7 +195,7 @@ class EngineWorker:
         jobs = {j.request: j for j in self._running}
         k = self.policy.choose(len(jobs)) if self.policy is not None else None
         t0 = time.perf_counter()
-        out = batch.step(k) if k is not None else batch.step()
+        out = batch.step(k)
         seconds = time.perf_counter() - t0
         self.totals.batch_steps += 1
         self.totals.batch_size_hist[len(jobs)] += 1
@@ -207,7 +206,6 @@ class EngineWorker:
 
     def _deliver(self, batch, job: Job, toks: list[int]) -> None:
         if toks:
-            job.n_tokens += len(toks)
             job.emit(("tokens", [int(t) for t in toks]))
         if job.request.done:
             if job in self._running:

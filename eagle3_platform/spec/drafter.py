@@ -79,8 +79,7 @@ class EagleDrafter:
     @torch.no_grad()
     def propose(self, root: int, max_tokens: int | None = None) -> Tree:
         self._append_queued()
-        budget = self.cfg.num_draft_tokens - 1
-        budget = budget if max_tokens is None else min(max_tokens, budget)
+        budget = draft_budget(self.cfg, max_tokens)
         if self.cfg.eagle_topk == 1:
             return propose_chains([self], [root], budget)[0]
         return self._propose_tree(root, budget)
@@ -130,14 +129,19 @@ class EagleDrafter:
         return [added[i] for i in best.tolist()], h[:, parent_rows[best]]  # hidden [1,k,H]
 
 
+def draft_budget(cfg: SpecConfig, max_tokens: int | None) -> int:
+    """Draft nodes a proposal may hold: the settings' size, capped by a server's per-step choice."""
+    budget = cfg.num_draft_tokens - 1
+    return budget if max_tokens is None else min(max_tokens, budget)
+
+
 def propose_all(drafters: list, roots: list[int], max_tokens: int | None) -> list[Tree]:
     """Drafts for the rows of a batch: chains of EagleDrafters sharing a head run as one batched
     draft forward per depth; anything else (trees, test drafters) drafts row by row."""
     first = drafters[0] if drafters else None
     if len(drafters) > 1 and all(isinstance(d, EagleDrafter) and d.cfg.eagle_topk == 1
                                  and d.draft is first.draft and d.cfg == first.cfg for d in drafters):
-        budget = first.cfg.num_draft_tokens - 1
-        return propose_chains(drafters, roots, budget if max_tokens is None else min(max_tokens, budget))
+        return propose_chains(drafters, roots, draft_budget(first.cfg, max_tokens))
     return [d.propose(r, max_tokens) for d, r in zip(drafters, roots)]
 
 

@@ -1,7 +1,7 @@
 """A deterministic stand-in engine for server/bench tests (no torch, no model).
 
 `FakeEngine` implements the SpecEngine surface the server uses: `.batch()` (open / prefill / step /
-close, see spec/batch.py) and `.stream(...)` over it. `python -m eagle3_platform.testing.serve` serves it
+close, see spec/batch.py). `python -m eagle3_platform.testing.serve` serves it
 over HTTP exactly like `eagle3 serve` (same app, same shutdown path) so subprocess tests are fast.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import logging
 import random
 import time
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
 from eagle3_platform.draft.metrics import acceptance_length
 
@@ -87,26 +87,12 @@ class FakeEngine:
         self.chunk = chunk
         self.delay_s = delay_s
         self.fail_after = fail_after
-        self.last_stats: dict = {}
         self.calls: list[dict] = []
         # ("prefill", prompt tokens) / ("step", running rows), in order: tests of the scheduling
         self.events: list[tuple[str, int]] = []
 
     def batch(self) -> FakeBatch:
         return FakeBatch(self)
-
-    def stream(self, input_ids, max_new_tokens, temperature=0.0, stop=(), seed=None
-               ) -> Iterator[list[int]]:
-        batch = self.batch()
-        r = batch.open(input_ids, max_new_tokens, temperature, stop, seed)
-        yield batch.prefill(r)
-        while not r.done:
-            yield batch.step()[0][1]
-        self.last_stats = batch.close(r)
-
-    def generate(self, input_ids, max_new_tokens, temperature=0.0, stop=(), seed=None):
-        toks = [t for c in self.stream(input_ids, max_new_tokens, temperature, stop, seed) for t in c]
-        return toks, dict(self.last_stats)
 
 
 def word_token_ids(tokenizer, text: str = "the quick brown fox jumps over the lazy dog ") -> list[int]:
