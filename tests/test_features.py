@@ -258,8 +258,11 @@ def test_extract_features_accounting_and_values(tiny_target, tiny_target_dir, tm
         ref = forward_capture(tiny_target.model, torch.tensor([ids]), tiny_target.layer_ids)
         got = ds[i]
         assert got["input_ids"].tolist() == ids and got["loss_mask"].tolist() == recs[i].loss_mask[:24]
-        assert torch.equal(got["aux_hidden"], ref.aux_hidden[0].bfloat16())
-        assert torch.equal(got["last_hidden"], ref.last_hidden[0].bfloat16())
+        # extraction ran these rows in padded batches, the reference alone: other matmul shapes, so
+        # compare within bf16 storage rounding (2^-8 relative) rather than bit for bit
+        for key, want in (("aux_hidden", ref.aux_hidden[0]), ("last_hidden", ref.last_hidden[0])):
+            assert got[key].dtype == torch.bfloat16
+            torch.testing.assert_close(got[key].float(), want.float(), rtol=1e-2, atol=1e-3)
     assert s["bytes_per_token"] > s["budget_bytes_per_token"] == 8 * 64
 
 
