@@ -2,18 +2,21 @@
 
 Reads a finished run's data dir (`eagle3 run --data-dir D`, e.g. the cpu preset's): the train feature
 shards of every workload, the eval-split features and the held-out eval prompts. For each size (response
-tokens) it links nested subsets of whole shards, taken round-robin across the workloads so every size
-mixes them alike, trains a head with one preset (+ overrides), exports it and measures
+tokens) it writes a subset of the train samples, taken one sample per workload in turn so every size
+mixes them alike (smaller sizes are prefixes of larger ones), trains a head with one preset (+ overrides;
+epochs raised so every point trains >= --min-steps steps), exports it and measures
   - held-out simulated acceptance (eval-split features) and the train-side one,
   - τ by the engine on held-out prompts (MT-bench first turns + each workload's eval prompts), for the
     chain and the tree presets, in the compute dtype the server uses,
-  - wall time: training, plus regeneration of that many tokens at --regen-tok-s (the run's measured rate).
+  - wall time: training, plus producing that much data at --regen-tok-s (the run's measured end-to-end
+    data rate: filter + regenerate + PII scan + extract, response tokens per second).
+--full-head adds the run's own head (trained by the pipeline on every train sample) as the last point.
 Resumable: a point whose results exist is not redone, and training resumes from its checkpoint.
 Writes results.json (after every point), scaling.md (table) and scaling.png.
 
     python scripts/bench_scaling.py --data-dir ~/.cache/eagle3-runs/cpu/data \
-        --target ~/.cache/eagle3/prepared/smollm2-135m-instruct --sizes 10000,30000,100000,300000 \
-        --preset cpu --out ~/.cache/eagle3-runs/scaling
+        --target ~/.cache/eagle3/prepared/smollm2-135m-instruct --sizes 10000,30000,100000 \
+        --full-head ~/.cache/eagle3-runs/cpu/data/draft/checkpoint --preset cpu --out ~/.cache/eagle3-runs/scaling
 """
 from __future__ import annotations
 
@@ -31,48 +34,61 @@ os.environ.setdefault("TLDEXTRACT_PUBLIC_SUFFIX_LIST_URLS", "")
 
 from safetensors import safe_open  # noqa: E402
 
-from eagle3_platform.features.shards import read_manifest, write_manifest  # noqa: E402
+from eagle3_platform.features.shards import IDS_KEY, ShardDataset, read_header, read_manifest, shard_name, \
+    write_manifest, write_shard  # noqa: E402
 from eagle3_platform.records import WORKLOADS, read_jsonl, write_jsonl_atomic  # noqa: E402
 
 
-def shards_round_robin(dirs: list[Path]) -> list[dict]:
-    """Manifest rows of every train dir (+ path, response tokens), interleaved dir by dir."""
-    per_dir = []
-    for d in dirs:
-        rows = read_manifest(d).to_dicts()
-        for r in rows:
-            r["path"] = str(d / r["shard"])
-            with safe_open(r["path"], framework="pt") as f:
-                r["response_tokens"] = int(f.get_tensor("loss_mask").sum())
-        per_dir.append(rows)
+def sample_table(dirs: list[Path]) -> list[list[tuple[Path, int, int]]]:
+    """Per train dir, its samples in order as (shard path, index in shard, response tokens); reads only
+    the small offsets and loss_mask tensors."""
     out = []
-    for i in range(max(map(len, per_dir), default=0)):
-        out += [rows[i] for rows in per_dir if i < len(rows)]
+    for d in dirs:
+        rows = []
+        for shard in read_manifest(d)["shard"].to_list():
+            with safe_open(str(d / shard), framework="pt") as f:
+                offsets, mask = f.get_tensor("offsets"), f.get_tensor("loss_mask")  # [S+1], [N]
+            rows += [(d / shard, i, int(mask[a:b].sum()))
+                     for i, (a, b) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist()))]
+        out.append(rows)
     return out
 
 
-def subset_dir(rows: list[dict], size: int, root: Path) -> tuple[Path, int, int] | None:
-    """Link the shortest prefix of `rows` holding >= size response tokens into one feature dir."""
-    chosen, total = [], 0
-    for r in rows:
-        if total >= size:
-            break
-        chosen.append(r)
-        total += r["response_tokens"]
-    if total < size:
+def subset_counts(table: list[list[tuple]], size: int) -> list[int] | None:
+    """Samples taken from each dir: round-robin one sample per dir until >= size response tokens
+    (so every size mixes the workloads alike and smaller sizes are prefixes of larger ones)."""
+    counts, total = [0] * len(table), 0
+    while total < size:
+        moved = False
+        for j, rows in enumerate(table):
+            if counts[j] < len(rows) and total < size:
+                total += rows[counts[j]][2]
+                counts[j] += 1
+                moved = True
+        if not moved:
+            return None
+    return counts
+
+
+def subset_dir(dirs: list[Path], table: list[list[tuple]], size: int, root: Path,
+               shard_samples: int = 128) -> tuple[Path, int, int] | None:
+    """Write the round-robin subset of >= size response tokens as one feature dir (shards copied
+    sample by sample with their headers, so training validates them like the run's own)."""
+    counts = subset_counts(table, size)
+    if counts is None:
         return None
     out = root / f"features-{size}"
-    out.mkdir(parents=True, exist_ok=True)
-    manifest = []
-    for k, r in enumerate(chosen):
-        name = f"shard-{k:05d}.safetensors"
-        link = out / name
-        if not link.exists():
-            link.symlink_to(r["path"])
-        manifest.append({**{c: r[c] for c in ("samples", "tokens", "sha256", "bytes", "ids")},
-                         "shard": name, "uri": name})
-    write_manifest(out, manifest)
-    return out, total, sum(r["samples"] for r in chosen)
+    if not (out / "manifest.parquet").exists():
+        manifest = []
+        for d, n in zip(dirs, counts):
+            ds = ShardDataset(d, verify="lazy")
+            header = {k: v for k, v in read_header(ds.shard_paths[0]).items() if k != IDS_KEY}
+            for a in range(0, n, shard_samples):
+                samples = [ds[i] for i in range(a, min(n, a + shard_samples))]
+                manifest.append(write_shard(out / shard_name(len(manifest)), samples, header))
+        write_manifest(out, manifest)
+    chosen = [r for rows, n in zip(table, counts) for r in rows[:n]]
+    return out, sum(r[2] for r in chosen), len(chosen)
 
 
 def heldout_prompts(data_dir: Path, out: Path, mtbench: int) -> Path:
@@ -89,22 +105,21 @@ def heldout_prompts(data_dir: Path, out: Path, mtbench: int) -> Path:
     return out
 
 
-def run_point(size: int, feats: Path, args, eval_dirs: list[Path], prompts: Path, target) -> dict:
-    from eagle3_platform.draft.export import export_draft
-    from eagle3_platform.draft.train import PRESETS, train
+def point_config(args, tokens: int):
+    """The preset (+ overrides), with epochs raised so the point trains >= --min-steps optimizer steps
+    (a small subset otherwise gets a handful of steps, and the curve would measure steps, not data)."""
+    from eagle3_platform.draft.train import PRESETS
+
+    cfg = replace(PRESETS[args.preset], **json.loads(args.overrides))
+    per_epoch = max(1, -(-tokens // cfg.batch_tokens))  # packing is greedy: about this many batches
+    return replace(cfg, epochs=max(cfg.epochs, -(-args.min_steps // per_epoch)))
+
+
+def measure_tau(export: Path, args, prompts: Path, target) -> dict:
     from eagle3_platform.spec.config import PRESETS as SPEC
     from eagle3_platform.spec.eval import evaluate
 
-    cfg = replace(PRESETS[args.preset], **json.loads(args.overrides))
-    head, export = args.out / f"head-{size}", args.out / f"export-{size}"
-    t0 = time.time()
-    summary = train(args.target, [feats], head, cfg, resume=True, eval_dirs=eval_dirs)
-    train_s = time.time() - t0
-    export_draft(head, export)
-    point = {"train_s": train_s, "steps": summary["steps"], "train_config": asdict(cfg),
-             "heldout_simulated_acceptance": summary.get("eval_simulated_acceptance"),
-             "train_simulated_acceptance": summary.get("train_simulated_acceptance"),
-             "heldout_acc_k": (summary.get("eval") or {}).get("acc")}
+    point = {}
     for spec in args.spec:
         ev = evaluate(args.target, export, prompts, SPEC[spec], max_new_tokens=args.max_new_tokens,
                       limit=args.limit, target=target)
@@ -113,16 +128,56 @@ def run_point(size: int, feats: Path, args, eval_dirs: list[Path], prompts: Path
     return point
 
 
+def run_point(size: int, feats: Path, tokens: int, args, eval_dirs: list[Path], prompts: Path,
+              target) -> dict:
+    from eagle3_platform.draft.export import export_draft
+    from eagle3_platform.draft.train import train
+
+    cfg = point_config(args, tokens)
+    head, export = args.out / f"head-{size}", args.out / f"export-{size}"
+    t0 = time.time()
+    summary = train(args.target, [feats], head, cfg, resume=True, eval_dirs=eval_dirs)
+    train_s = time.time() - t0
+    export_draft(head, export)
+    return {**head_summary(summary, cfg.epochs), "train_s": train_s,
+            **measure_tau(export, args, prompts, target)}
+
+
+def head_summary(summary: dict, epochs: int) -> dict:
+    return {"steps": summary["steps"], "epochs": epochs,
+            "heldout_simulated_acceptance": summary.get("eval_simulated_acceptance"),
+            "train_simulated_acceptance": summary.get("train_simulated_acceptance"),
+            "heldout_acc_k": (summary.get("eval") or {}).get("acc")}
+
+
+def full_point(args, table, prompts: Path, target) -> dict:
+    """The run's own head (trained on every train sample by the pipeline) as the largest point."""
+    from eagle3_platform.draft.export import export_draft
+
+    head = args.full_head
+    summary = json.loads((head / "metrics.json").read_text())
+    cfg = json.loads((head / "draft_config.json").read_text()).get("train", {})
+    export = args.out / "export-full"
+    export_draft(head, export)
+    rows = [r for rows in table for r in rows]
+    return {"size": "full", "response_tokens": sum(r[2] for r in rows), "samples": len(rows),
+            **head_summary(summary, cfg.get("epochs")),
+            "train_s": summary["train_tokens"] / summary["train_tokens_per_s"],
+            **measure_tau(export, args, prompts, target)}
+
+
 def write_report(results: list[dict], out: Path, specs: list[str]) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cols = ["response tokens", "samples", "steps", "held-out sim. acceptance",
-            *[f"τ {s}" for s in specs], "train min", "data min (regen est.)"]
+    cols = ["response tokens", "samples", "epochs", "steps", "sim. acceptance train / held-out",
+            *[f"τ {s}" for s in specs], "train min", "data min (est.)"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in results:
-        lines.append("| " + " | ".join([f"{r['response_tokens']:,}", str(r["samples"]), str(r["steps"]),
+        lines.append("| " + " | ".join([f"{r['response_tokens']:,}", str(r["samples"]), str(r["epochs"]),
+                                        str(r["steps"]),
+                                        f"{r['train_simulated_acceptance'] or float('nan'):.2f} / "
                                         f"{r['heldout_simulated_acceptance'] or float('nan'):.2f}",
                                         *[f"{r[f'tau_{s}']:.2f}" for s in specs],
                                         f"{r['train_s'] / 60:.1f}", f"{r['regen_s_est'] / 60:.1f}"]) + " |")
@@ -155,6 +210,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--regen-tok-s", type=float, default=200.0, help="the run's regeneration rate")
     ap.add_argument("--dtype", default="auto", help="engine dtype for τ (the server's)")
+    ap.add_argument("--min-steps", type=int, default=100,
+                    help="each point trains at least this many optimizer steps (epochs raised)")
+    ap.add_argument("--full-head", type=Path, default=None,
+                    help="the run's own head dir (draft/checkpoint), measured as the all-data point")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     from eagle3_platform.compute import set_threads
@@ -166,34 +225,38 @@ def main(argv=None) -> int:
                   if (args.data_dir / w / "features" / "train" / "manifest.parquet").exists()]
     eval_dirs = [args.data_dir / w / "features" / "eval" for w in WORKLOADS
                  if (args.data_dir / w / "features" / "eval" / "manifest.parquet").exists()]
-    rows = shards_round_robin(train_dirs)
+    table = sample_table(train_dirs)
     prompts = heldout_prompts(args.data_dir, args.out / "heldout.jsonl", args.mtbench)
     target = load_target(args.target, dtype=args.dtype)
     results_path = args.out / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else []
-    done = {r["size"] for r in results}
-    for size in sorted(int(s) for s in args.sizes.split(",")):
-        if size in done:
-            continue
-        sub = subset_dir(rows, size, args.out)
-        if sub is None:
-            print(f"[scaling] {size:,} response tokens: more than the run holds "
-                  f"({sum(r['response_tokens'] for r in rows):,}); skipped", file=sys.stderr)
-            continue
-        feats, tokens, samples = sub
-        if any(r["response_tokens"] == tokens for r in results):  # shards are the unit: sizes can coincide
-            print(f"[scaling] {size:,}: same shards as an earlier point; skipped", file=sys.stderr)
-            continue
-        print(f"[scaling] {size:,}: {tokens:,} response tokens in {samples} samples", file=sys.stderr, flush=True)
-        point = {"size": size, "response_tokens": tokens, "samples": samples,
-                 "regen_s_est": tokens / args.regen_tok_s,
-                 **run_point(size, feats, args, eval_dirs, prompts, target)}
+
+    def record(point: dict) -> None:
+        point["regen_s_est"] = point["response_tokens"] / args.regen_tok_s
         results.append(point)
         tmp = results_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(results, indent=2))
         os.replace(tmp, results_path)
+
+    done = {r["size"] for r in results}
+    if args.full_head and "full" not in done:  # first: cheap (no training), so a broken setup shows early
+        print(f"[scaling] full: the run's head {args.full_head}", file=sys.stderr, flush=True)
+        record(full_point(args, table, prompts, target))
+    for size in sorted(int(s) for s in args.sizes.split(",")):
+        if size in done:
+            continue
+        sub = subset_dir(train_dirs, table, size, args.out)
+        if sub is None:
+            print(f"[scaling] {size:,} response tokens: more than the run holds "
+                  f"({sum(r[2] for rows in table for r in rows):,}); skipped", file=sys.stderr)
+            continue
+        feats, tokens, samples = sub
+        print(f"[scaling] {size:,}: {tokens:,} response tokens in {samples} samples", file=sys.stderr, flush=True)
+        all_tokens = sum(m["tokens"] for m in read_manifest(feats).to_dicts())
+        record({"size": size, "response_tokens": tokens, "samples": samples,
+                **run_point(size, feats, all_tokens, args, eval_dirs, prompts, target)})
     if results:
-        write_report(sorted(results, key=lambda r: r["size"]), args.out, args.spec)
+        write_report(sorted(results, key=lambda r: r["response_tokens"]), args.out, args.spec)
         print((args.out / "scaling.md").read_text())
     return 0
 
