@@ -71,12 +71,14 @@ def subset_counts(table: list[list[tuple]], size: int) -> list[int] | None:
 
 
 def subset_dir(dirs: list[Path], table: list[list[tuple]], size: int, root: Path,
-               shard_samples: int = 128) -> tuple[Path, int, int] | None:
+               shard_samples: int = 128) -> tuple[list[Path], int, int] | None:
     """Write the round-robin subset of >= size response tokens as one feature dir (shards copied
     sample by sample with their headers, so training validates them like the run's own)."""
     counts = subset_counts(table, size)
     if counts is None:
         return None
+    if counts == [len(rows) for rows in table]:  # every sample: train on the run's own dirs, no copy
+        return dirs, sum(r[2] for rows in table for r in rows), sum(counts)
     out = root / f"features-{size}"
     if not (out / "manifest.parquet").exists():
         manifest = []
@@ -88,7 +90,7 @@ def subset_dir(dirs: list[Path], table: list[list[tuple]], size: int, root: Path
                 manifest.append(write_shard(out / shard_name(len(manifest)), samples, header))
         write_manifest(out, manifest)
     chosen = [r for rows, n in zip(table, counts) for r in rows[:n]]
-    return out, sum(r[2] for r in chosen), len(chosen)
+    return [out], sum(r[2] for r in chosen), len(chosen)
 
 
 def heldout_prompts(data_dir: Path, out: Path, mtbench: int) -> Path:
@@ -128,7 +130,7 @@ def measure_tau(export: Path, args, prompts: Path, target) -> dict:
     return point
 
 
-def run_point(size: int, feats: Path, tokens: int, args, eval_dirs: list[Path], prompts: Path,
+def run_point(size: int, feats: list[Path], tokens: int, args, eval_dirs: list[Path], prompts: Path,
               target) -> dict:
     from eagle3_platform.draft.export import export_draft
     from eagle3_platform.draft.train import train
@@ -136,7 +138,7 @@ def run_point(size: int, feats: Path, tokens: int, args, eval_dirs: list[Path], 
     cfg = point_config(args, tokens)
     head, export = args.out / f"head-{size}", args.out / f"export-{size}"
     t0 = time.time()
-    summary = train(args.target, [feats], head, cfg, resume=True, eval_dirs=eval_dirs)
+    summary = train(args.target, feats, head, cfg, resume=True, eval_dirs=eval_dirs)
     train_s = time.time() - t0
     export_draft(head, export)
     return {**head_summary(summary, cfg.epochs), "train_s": train_s,
@@ -252,7 +254,7 @@ def main(argv=None) -> int:
             continue
         feats, tokens, samples = sub
         print(f"[scaling] {size:,}: {tokens:,} response tokens in {samples} samples", file=sys.stderr, flush=True)
-        all_tokens = sum(m["tokens"] for m in read_manifest(feats).to_dicts())
+        all_tokens = sum(m["tokens"] for d in feats for m in read_manifest(d).to_dicts())
         record({"size": size, "response_tokens": tokens, "samples": samples,
                 **run_point(size, feats, all_tokens, args, eval_dirs, prompts, target)})
     if results:

@@ -35,7 +35,7 @@ def test_subsets_are_balanced_nested_prefixes(tmp_path):
 def test_subset_dir_copies_the_samples_with_their_headers(tmp_path):
     dirs = _dirs(tmp_path)
     table = sample_table(dirs)
-    out, tokens, samples = subset_dir(dirs, table, 5 * table[0][0][2], tmp_path / "out", shard_samples=2)
+    (out,), tokens, samples = subset_dir(dirs, table, 5 * table[0][0][2], tmp_path / "out", shard_samples=2)
     assert samples == 5                                       # a: 3, b: 2
     sub, a, b = ShardDataset(out), ShardDataset(dirs[0]), ShardDataset(dirs[1])
     assert len(sub) == 5 and tokens == sum(int(sub[i]["loss_mask"].sum()) for i in range(5))
@@ -43,3 +43,11 @@ def test_subset_dir_copies_the_samples_with_their_headers(tmp_path):
         assert got["id"] == want["id"]
         assert torch.equal(got["aux_hidden"], want["aux_hidden"])  # a byte copy, not a recomputation
     assert read_header(sub.shard_paths[0])["weights_hash"] == "w"
+
+
+def test_the_whole_set_is_not_copied(tmp_path):
+    dirs = _dirs(tmp_path)
+    table = sample_table(dirs)
+    got, tokens, samples = subset_dir(dirs, table, 12 * table[0][0][2], tmp_path / "out")
+    assert got == dirs and samples == 12 and tokens == 12 * table[0][0][2]
+    assert not (tmp_path / "out").exists()
