@@ -10,7 +10,7 @@ epochs raised so every point trains >= --min-steps steps), exports it and measur
     chain and the tree presets, in the compute dtype the server uses,
   - wall time: training, plus producing that much data at --regen-tok-s (the run's measured end-to-end
     data rate: filter + regenerate + PII scan + extract, response tokens per second).
---full-head adds the run's own head (trained by the pipeline on every train sample) as the last point.
+--full-head adds the run's own head (trained by the pipeline on every train sample) as the all-data point.
 Resumable: a point whose results exist is not redone, and training resumes from its checkpoint.
 Writes results.json (after every point), scaling.md (table) and scaling.png.
 
@@ -141,7 +141,7 @@ def run_point(size: int, feats: list[Path], tokens: int, args, eval_dirs: list[P
     summary = train(args.target, feats, head, cfg, resume=True, eval_dirs=eval_dirs)
     train_s = time.time() - t0
     export_draft(head, export)
-    return {**head_summary(summary, cfg.epochs), "train_s": train_s,
+    return {**head_summary(summary, cfg.epochs), "train_s": train_s, "train_config": asdict(cfg),
             **measure_tau(export, args, prompts, target)}
 
 
@@ -210,7 +210,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mtbench", type=int, default=24, help="MT-bench first turns among the held-out prompts")
     ap.add_argument("--limit", type=int, default=None, help="held-out prompts measured (default: all)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--regen-tok-s", type=float, default=200.0, help="the run's regeneration rate")
+    ap.add_argument("--regen-tok-s", type=float, default=200.0, help="the run's end-to-end data rate (response tok/s)")
     ap.add_argument("--dtype", default="auto", help="engine dtype for τ (the server's)")
     ap.add_argument("--min-steps", type=int, default=100,
                     help="each point trains at least this many optimizer steps (epochs raised)")
