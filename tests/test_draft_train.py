@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 import os
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3_platform.features.shards import write_manifest, write_shard
+from eagle3_platform.features.shards import shard_name, write_manifest, write_shard
 
 
 def _meta(target_meta: dict, max_length: int) -> dict:
@@ -21,7 +21,7 @@ def _meta(target_meta: dict, max_length: int) -> dict:
 
 
 def _write(out_dir: Path, samples: list[dict], meta: dict, per_shard: int) -> Path:
-    rows = [write_shard(out_dir / f"shard-{i // per_shard:05d}.safetensors", samples[i:i + per_shard], meta)
+    rows = [write_shard(out_dir / shard_name(i // per_shard), samples[i:i + per_shard], meta)
             for i in range(0, len(samples), per_shard)]
     write_manifest(out_dir, rows)
     return out_dir
