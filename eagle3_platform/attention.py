@@ -21,30 +21,52 @@ MAX_GROUPED_QUERY = 64  # verification trees are ~5-16 tokens; longer queries ar
 
 def grouped_decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                              **kwargs):
-    """query [B,H,q,d], key/value [B,kv,S,d], mask bool (True = attend) or additive [B,1,q,S] | None
-    -> (out [B,q,H,d], None), the layout transformers' attention functions return.
+    """transformers' attention-function signature -> (out [B,q,H,d], None).
 
     Grouped when q is one token, or a few tokens under an explicit mask (draft verification: the tree
     mask); a maskless multi-token query is a causal prefill and goes to sdpa."""
-    B, H, q, d = query.shape
-    kv = key.shape[1]
+    H, q, kv = query.shape[1], query.shape[2], key.shape[1]
     if H % kv or (q > 1 and (attention_mask is None or q > MAX_GROUPED_QUERY)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
+    return grouped_attention(query, key, value, attention_mask, scaling).transpose(1, 2), None
+
+
+def grouped_attention(query, key, value, mask=None, scaling=None):
+    """query [B,H,q,d], key/value [B,kv,S,d], mask bool (True = attend) or additive [B|1,1,q,S'] with
+    S' >= S, or None (every query sees every key) -> out [B,H,q,d]. Head h reads key/value head
+    h // (H/kv), as repeat_kv does, without copying the cache. Softmax in fp32."""
+    B, H, q, d = query.shape
+    kv = key.shape[1]
     r = H // kv
-    qg = query.reshape(B, kv, r * q, d)  # [B,kv,r*q,d]: head h reads kv head h // r, as repeat_kv does
+    qg = query.reshape(B, kv, r * q, d)  # [B,kv,r*q,d]: row i*q+j is query token j of head i
     scores = torch.matmul(qg, key.transpose(-1, -2)).float() * (d ** -0.5 if scaling is None else scaling)
-    if attention_mask is not None:  # [B,1,q,S] -> [B,1,r*q,S]: row i*q+j is query token j of head i
-        mask = attention_mask[..., :key.shape[-2]]
-        mask = mask.repeat(1, 1, r, 1) if q > 1 else mask
-        if mask.dtype == torch.bool:
-            # finite, not -inf: a fully masked row (a left-pad query) gets finite garbage, never NaN
-            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-        else:
-            scores = scores + mask
-    weights = torch.softmax(scores, dim=-1).to(value.dtype)  # [B,kv,r*q,S], softmax in fp32
-    out = torch.matmul(weights, value)  # [B,kv,r*q,d]
-    return out.reshape(B, H, q, d).transpose(1, 2), None
+    if mask is not None:
+        scores = scores + _grouped_bias(mask, r, key.shape[-2])
+    weights = torch.softmax(scores, dim=-1).to(value.dtype)  # [B,kv,r*q,S]
+    return torch.matmul(weights, value).reshape(B, H, q, d)
+
+
+_last_bias: tuple = (None, None, None)  # (mask, (version, r, S), bias): a forward's layers share a mask
+
+
+def _grouped_bias(mask: torch.Tensor, r: int, S: int) -> torch.Tensor:
+    """mask bool (True = attend) or additive [B|1,1,q,S'] -> additive fp32 [B|1,1,r*q,S], computed once
+    per forward: transformers hands every layer the same mask object, so later layers reuse it (the
+    version counter catches a mask changed in place; holding the mask keeps its identity unique)."""
+    global _last_bias
+    given, key, bias = _last_bias
+    if given is mask and key == (mask._version, r, S):
+        return bias
+    m = mask[..., :S]
+    m = m.repeat(1, 1, r, 1) if m.shape[2] > 1 else m  # row i*q+j is query token j of head i
+    if m.dtype == torch.bool:
+        # finite, not -inf: a fully masked row (a left-pad query) gets finite garbage, never NaN
+        bias = torch.zeros(m.shape).masked_fill_(~m, torch.finfo(torch.float32).min)
+    else:
+        bias = m.float()
+    _last_bias = (mask, (mask._version, r, S), bias)  # one tuple assignment: atomic for a concurrent reader
+    return bias
 
 
 AttentionInterface.register(GROUPED_DECODE, grouped_decode_attention)

@@ -64,6 +64,30 @@ def test_incremental_backbone_equals_full(draft):
     torch.testing.assert_close(torch.cat([h1, h2], 1), full, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("T", [1, 3])
+def test_grouped_drafting_attention_matches_sdpa(draft, monkeypatch, T):
+    """Short queries (drafting) use grouped matmuls over the cache, long ones (a prompt) sdpa over
+    repeated heads; both compute the same attention, with and without a mask."""
+    import eagle3_platform.draft.model as model_mod
+
+    torch.manual_seed(3)
+    B, P, H = 2, 11, draft.cfg.hidden_size
+    ids, g = torch.randint(0, 400, (B, P + T)), torch.randn(B, P + T, 3 * H)
+    pos = torch.arange(P + T).expand(B, -1)
+    allowed = torch.rand(B, 1, T, P + T) < 0.7
+    allowed[..., P:] = torch.eye(T, dtype=torch.bool)  # every query sees itself
+    masks = [None, torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)]
+    out = {}
+    with torch.no_grad():
+        _, kv = draft.backbone(draft.embed(ids[:, :P]), draft.project(g[:, :P]), pos[:, :P])
+        for grouped_up_to in (model_mod.MAX_GROUPED_QUERY, 0):  # 0: every query length goes to sdpa
+            monkeypatch.setattr(model_mod, "MAX_GROUPED_QUERY", grouped_up_to)
+            out[grouped_up_to] = [draft.backbone(draft.embed(ids[:, P:]), draft.project(g[:, P:]), pos[:, P:],
+                                                 m, kv)[0] for m in masks]
+    for got, want in zip(out[model_mod.MAX_GROUPED_QUERY], out[0]):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_ttt_steps_equal_sequential_drafting_with_cache(draft):
     """What the engine does at inference (one token per step, cache = step-0 prefix + own guesses)
     must equal what TTT trains on."""

@@ -95,3 +95,19 @@ def test_grouped_attention_of_a_verify_forward_matches_sdpa(model, mask_kind):
             kw = dict(attention_mask=pad, position_ids=torch.arange(20, 26)[None])
         out[attn] = model(input_ids=nodes, past_key_values=cache, **kw).logits
     torch.testing.assert_close(out[GROUPED_DECODE], out["sdpa"], atol=1e-4, rtol=1e-4)
+
+
+def test_grouped_mask_bias_is_shared_by_a_forwards_layers_and_follows_in_place_changes():
+    """Every layer of one forward gets the same mask object: its additive form is built once; a mask
+    changed in place (or another mask) is converted again, never served stale."""
+    from eagle3_platform.attention import _grouped_bias
+
+    mask = torch.ones(1, 1, 2, 5, dtype=torch.bool)
+    first = _grouped_bias(mask, 3, 5)
+    assert first.shape == (1, 1, 6, 5) and bool((first == 0).all())
+    assert _grouped_bias(mask, 3, 5) is first  # the next layer: reused
+    mask[0, 0, 1, 4] = False  # changed in place
+    again = _grouped_bias(mask, 3, 5)
+    assert again is not first and bool((again[0, 0, 1::2, 4] < -1e30).all())  # query 1 of each head
+    assert int((again < 0).sum()) == 3
+    assert _grouped_bias(mask.clone(), 3, 5) is not again  # another mask object

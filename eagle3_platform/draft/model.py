@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle3_platform.attention import MAX_GROUPED_QUERY, grouped_attention
+
 DEFAULT_ROPE_THETA = 10000.0
 
 
@@ -215,11 +217,16 @@ class Eagle3Draft(nn.Module):
         if past_kv is not None:
             k_all = torch.cat([past_kv[0], k], dim=2)   # [B,nkv,P+T,hd]
             v_all = torch.cat([past_kv[1], v], dim=2)
-        if attn_mask is None:
-            attn_mask = causal_mask(q.shape[2], k_all.shape[2], q.dtype, q.device)
-        n_rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
-        attn = F.scaled_dot_product_attention(q, repeat_kv(k_all, n_rep), repeat_kv(v_all, n_rep),
-                                              attn_mask=attn_mask.to(q.dtype))
+        T = q.shape[2]
+        if attn_mask is None and T > 1:  # one query sees every key: no mask needed
+            attn_mask = causal_mask(T, k_all.shape[2], q.dtype, q.device)
+        if T <= MAX_GROUPED_QUERY:  # drafting: grouped matmuls, no copy of the cache per head
+            attn = grouped_attention(q, k_all, v_all, attn_mask)
+        else:  # a prompt's entries
+            n_rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
+            mask = None if attn_mask is None else attn_mask.to(q.dtype)
+            attn = F.scaled_dot_product_attention(q, repeat_kv(k_all, n_rep), repeat_kv(v_all, n_rep),
+                                                  attn_mask=mask)
         return self.midlayer.finish(hidden, attn), (k, v)
 
     def logits(self, h):                   # [B,T,H] -> [B,T,Vd]
