@@ -3,40 +3,84 @@
 A step over B sequences with draft size k costs c(B, k) seconds (drafting + one verify forward over
 about B·(k+1) tokens) and emits B·(1 + a(k)) tokens, a(k) = mean accepted draft tokens per sequence.
 On a CPU a 5-token verify costs about one decode at B = 1 but several at B = 8, so the best k falls
-as the batch grows. The policy keeps running means of c(B, k) (measured wall time of whole steps) and
-of g_d = P(a sequence's draft token at depth d is accepted), learnt from every step whose draft
-reached depth d, so a(k) = g_1 + ... + g_k is monotone in k and shared across k and B. It picks the
-k with the most tokens per second:  B·(1 + a(k)) / c(B, k).
+as the batch grows. The policy picks the k with the most tokens per second,  (1 + a(k)) / c(B, k)·B.
 This is what SGLang users tune by hand with --speculative-num-draft-tokens, chosen per step here.
 
-Costs are kept per batch-size bucket (1, 2, 3-4, 5-8, 9-16, ...): neighbouring sizes cost about the
-same per sequence, and a batch that drains row by row would otherwise re-explore at every size.
-Exploration: a (bucket, k) never measured is tried first (each once); then every `explore_every`
-steps a neighbour of the best k is measured again, so the choice follows the load and the acceptance.
+Acceptance: g_d = P(a sequence's depth-d draft token is accepted), a running mean over every step
+whose draft reached depth d, so a(k) = g_1 + ... + g_k is monotone in k and shared across k and B.
+Cost: per batch-size bucket (1, 2, 3-4, 5-8, 9-16, ...; neighbouring sizes cost about the same per
+sequence), a running least-squares line  c/B = c0 + c1·k  (drafting is k forwards of the head and the
+verify grows with the tokens, so the cost is close to linear in k). Every step refines the line of
+its bucket, whatever its k, so wall-time noise averages out over all steps instead of one cell per
+k, and the cost of a k never measured in the bucket is predicted rather than paid for.
+Exploration: a bucket seen for the first time starts from the best k of the nearest measured bucket
+(k_max on the very first step), then its neighbour, which gives the line two points; afterwards every
+`explore_every` steps a neighbour of the best k is measured again, so the choice follows the load and
+the acceptance. A k is only left for one predicted to be `SWITCH_MARGIN` faster (no flapping on noise).
 """
 from __future__ import annotations
 
 from collections import Counter
 
-EMA = 0.2  # weight of a new measurement in the running means
+EMA = 0.1  # weight of a new step in the running means (acceptance and the cost lines)
+SWITCH_MARGIN = 0.02  # leave the current k only for a predicted gain above 2%
+
+
+class CostLine:
+    """Exponentially weighted least squares of y = c0 + c1·k (y: seconds per step and sequence)."""
+
+    def __init__(self):
+        self.n = 0
+        self.mk = self.my = self.skk = self.sky = 0.0
+        self.ks: set[int] = set()
+
+    def add(self, k: int, y: float) -> None:
+        self.ks.add(k)
+        if self.n == 0:
+            self.mk, self.my = float(k), y
+        else:  # exponentially weighted mean and (co)variance, West's incremental form
+            dk, dy = k - self.mk, y - self.my
+            self.mk += EMA * dk
+            self.my += EMA * dy
+            self.skk = (1 - EMA) * (self.skk + EMA * dk * dk)
+            self.sky = (1 - EMA) * (self.sky + EMA * dk * dy)
+        self.n += 1
+
+    @property
+    def ready(self) -> bool:
+        return len(self.ks) >= 2 and self.skk > 0
+
+    def coef(self) -> tuple[float, float]:
+        """(c0, c1); c1 >= 0: a longer draft never costs less (a negative slope is noise)."""
+        c1 = max(0.0, self.sky / self.skk) if self.ready else 0.0
+        return max(self.my - c1 * self.mk, 1e-9), c1
+
+    def predict(self, k: int) -> float:
+        c0, c1 = self.coef()
+        return c0 + c1 * k
 
 
 class DraftSizePolicy:
     def __init__(self, k_max: int, explore_every: int = 16):
         self.k_max, self.explore_every = k_max, explore_every
-        self.cost: dict[tuple[int, int], float] = {}  # (B bucket, k) -> seconds per step and sequence
+        self.lines: dict[int, CostLine] = {}  # B bucket -> per-sequence cost line
         self.depth_accept: dict[int, float] = {}  # d -> P(depth-d draft token accepted)
         self.hist: Counter = Counter()  # k -> steps
         self.current: int | None = None
+        self._incumbent: dict[int, int] = {}  # B bucket -> its chosen k (re-measures aside)
         self._steps = 0
 
     def choose(self, batch_size: int) -> int:
         self._steps += 1
-        untried = [k for k in range(self.k_max + 1) if (_bucket(batch_size), k) not in self.cost]
-        if untried:
-            k = untried[-1]  # largest first: acceptance is learnt from full drafts
+        b = _bucket(batch_size)
+        line = self.lines.get(b)
+        if line is None:  # a new bucket: what its nearest measured neighbour does best
+            k = self._nearest_best(b)
+        elif not line.ready:  # one k measured here: its neighbour gives the line a second point
+            (k0,) = line.ks
+            k = k0 - 1 if k0 > 0 else min(1, self.k_max)
         else:
-            k = self.best(batch_size)
+            k = self._incumbent[b] = self.best(batch_size)
             if self._steps % self.explore_every == 0:  # re-measure a neighbour, alternating sides
                 side = 1 if (self._steps // self.explore_every) % 2 else -1
                 k = min(self.k_max, max(0, k + side))
@@ -47,28 +91,50 @@ class DraftSizePolicy:
         """a(k): expected accepted draft tokens per sequence at draft size k (unknown depths: 1)."""
         return sum(self.depth_accept.get(d, 1.0) for d in range(1, k + 1))
 
-    def best(self, batch_size: int, cost: dict | None = None) -> int:
-        b, cost = _bucket(batch_size), self.cost if cost is None else cost
-        rates = {k: (1 + self.accepted(k)) / cost[b, k]  # x B: the same B for every k
-                 for k in range(self.k_max + 1) if (b, k) in cost}
-        return max(rates, key=rates.get) if rates else self.k_max
+    def rates(self, batch_size: int, lines: dict | None = None) -> dict[int, float]:
+        """k -> predicted tokens per second and sequence in batch_size's bucket ({} if unmeasured)."""
+        line = (self.lines if lines is None else lines).get(_bucket(batch_size))
+        if line is None or not line.ready:
+            return {}
+        return {k: (1 + self.accepted(k)) / line.predict(k) for k in range(self.k_max + 1)}
+
+    def best(self, batch_size: int, lines: dict | None = None) -> int:
+        rates = self.rates(batch_size, lines)
+        if not rates:
+            return self.k_max
+        k = max(rates, key=rates.get)
+        kept = self._incumbent.get(_bucket(batch_size))
+        if kept is not None and rates[k] <= rates[kept] * (1 + SWITCH_MARGIN):
+            return kept
+        return k
 
     def observe(self, batch_size: int, k: int, seconds: float, accepted: list[int]) -> None:
         """One finished step at draft size k: its wall time and each sequence's accepted draft tokens."""
         self.hist[k] += 1
-        _update(self.cost, (_bucket(batch_size), k), seconds / batch_size)  # per sequence
+        self.lines.setdefault(_bucket(batch_size), CostLine()).add(k, seconds / batch_size)
         for d in range(1, k + 1) if accepted else ():
             _update(self.depth_accept, d, sum(a >= d for a in accepted) / len(accepted))
 
     def info(self) -> dict:
-        """For /server_info: the current choice, steps per draft size, the best k per batch size."""
+        """For /server_info: the current choice, steps per draft size, the best k and the cost line
+        (ms per step and sequence: plain decoding, and per draft token) per batch-size bucket."""
         # snapshots (dict() copies in one C call): the engine thread updates these while a server
         # thread reads them
-        hist, accept, cost = dict(self.hist), dict(self.depth_accept), dict(self.cost)
+        hist, accept = dict(self.hist), dict(self.depth_accept)
+        lines = {b: line for b, line in dict(self.lines).items() if line.ready}
         return {"draft_size_current": self.current,
                 "draft_size_hist": {str(k): n for k, n in sorted(hist.items())},
-                "draft_size_by_batch": {str(b): self.best(b, cost) for b in sorted({b for b, _ in cost})},
+                "draft_size_by_batch": {str(b): self.best(b, lines) for b in sorted(lines)},
+                "step_cost_ms_by_batch": {str(b): [round(1e3 * c, 3) for c in lines[b].coef()]
+                                          for b in sorted(lines)},
                 "accept_rate_by_depth": {str(d): round(g, 3) for d, g in sorted(accept.items())}}
+
+    def _nearest_best(self, bucket: int) -> int:
+        measured = [b for b, line in self.lines.items() if line.ready]
+        if not measured:
+            return self.k_max  # the very first steps: full drafts teach every depth's acceptance
+        nearest = min(measured, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
+        return self.best(nearest)
 
 
 def _bucket(batch_size: int) -> int:
