@@ -55,8 +55,9 @@ def _grouped_bias(mask: torch.Tensor, r: int, S: int) -> torch.Tensor:
     per forward: transformers hands every layer the same mask object, so later layers reuse it (the
     version counter catches a mask changed in place; holding the mask keeps its identity unique)."""
     global _last_bias
+    tracked = not mask.is_inference()  # inference tensors have no version counter: not memoised
     given, key, bias = _last_bias
-    if given is mask and key == (mask._version, r, S):
+    if tracked and given is mask and key == (mask._version, r, S):
         return bias
     m = mask[..., :S]
     m = m.repeat(1, 1, r, 1) if m.shape[2] > 1 else m  # row i*q+j is query token j of head i
@@ -65,7 +66,8 @@ def _grouped_bias(mask: torch.Tensor, r: int, S: int) -> torch.Tensor:
         bias = torch.zeros(m.shape).masked_fill_(~m, torch.finfo(torch.float32).min)
     else:
         bias = m.float()
-    _last_bias = (mask, (mask._version, r, S), bias)  # one tuple assignment: atomic for a concurrent reader
+    if tracked:
+        _last_bias = (mask, (mask._version, r, S), bias)  # one assignment: atomic for a concurrent reader
     return bias
 
 

@@ -111,3 +111,16 @@ def test_grouped_mask_bias_is_shared_by_a_forwards_layers_and_follows_in_place_c
     assert again is not first and bool((again[0, 0, 1::2, 4] < -1e30).all())  # query 1 of each head
     assert int((again < 0).sum()) == 3
     assert _grouped_bias(mask.clone(), 3, 5) is not again  # another mask object
+
+
+def test_grouped_attention_takes_inference_mode_masks():
+    """Batched extraction runs under torch.inference_mode, whose tensors have no version counter."""
+    from eagle3_platform.attention import grouped_attention
+
+    q, k = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 5, 8)
+    allowed = torch.rand(2, 1, 3, 5) < 0.8
+    allowed[..., 0] = True
+    want = grouped_attention(q, k, k, allowed.clone())
+    with torch.inference_mode():
+        got = grouped_attention(q, k, k, allowed.clone())
+    torch.testing.assert_close(got, want)
