@@ -49,7 +49,8 @@ def run_engine(engine, prompts, max_new, draft_size=None, policy=None):
         ts = time.perf_counter()
         out = batch.step(k)
         if policy is not None:
-            policy.observe(len(out), k, time.perf_counter() - ts, [r.last_accepted for r, _ in out])
+            policy.observe(len(out), k, time.perf_counter() - ts - batch.catch_up_s,
+                           [r.last_accepted for r, _ in out])
         for r, toks in out:
             outs[r] += toks
         steps, sizes = steps + len(out), sizes + [k or 0]

@@ -104,6 +104,32 @@ def test_server_cap_on_draft_size_keeps_output(target, refs):
 
 
 @torch.no_grad()
+def test_drafter_backlog_is_caught_up_apart_and_equals_one_append(target):
+    """Steps verified without a draft leave the drafter a backlog (here the prompt + 3 steps). The
+    next drafting step appends it first, timed apart (Batch.catch_up_s: the server's policy does not
+    charge it to that step's draft size), and the drafter's cache equals one append of everything."""
+    from eagle3_platform.spec.drafter import EagleDrafter
+
+    engine = SpecEngine(target, random_draft(target, 64), PRESETS["chain"])
+    batch = engine.batch()
+    r = batch.open(_ids(target, PROMPTS[0]), MAX_NEW)
+    batch.prefill(r, None)
+    for _ in range(3):
+        batch.step(max_draft_tokens=0)
+    assert len(r.drafter._queued) == 4 and batch.catch_up_s == 0.0  # nothing drafted: nothing appended
+    ref = EagleDrafter(r.drafter.draft, r.drafter.cfg)
+    ref._queued = list(r.drafter._queued)
+    ref._append_queued()  # all 4 chunks in one forward
+    batch.step(max_draft_tokens=2)
+    assert batch.catch_up_s > 0.0
+    assert r.drafter.n == ref.n  # the last chunk was appended by the step itself, after the backlog
+    torch.testing.assert_close(r.drafter.k, ref.k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(r.drafter.v, ref.v, atol=1e-5, rtol=1e-5)
+    batch.step(max_draft_tokens=2)
+    assert batch.catch_up_s < 0.01 and len(r.drafter._queued) == 1  # steady drafting: no backlog
+
+
+@torch.no_grad()
 def test_ragged_forward_matches_each_row_alone(target):
     """Three rows of different lengths, one with a tree verify whose kept path is not a prefix:
     the batched logits equal each row's own forward (fp32, tolerance: other matmul shapes)."""

@@ -199,8 +199,9 @@ class EngineWorker:
         seconds = time.perf_counter() - t0
         self.totals.batch_steps += 1
         self.totals.batch_size_hist[len(jobs)] += 1
-        if self.policy is not None:
-            self.policy.observe(len(jobs), k, seconds, [r.last_accepted for r, _ in out])
+        if self.policy is not None:  # drafter backlogs (a prompt, undrafted steps) are not the step's cost
+            self.policy.observe(len(jobs), k, seconds - batch.catch_up_s,
+                                [r.last_accepted for r, _ in out])
         for r, toks in out:
             self._deliver(batch, jobs[r], toks)
 

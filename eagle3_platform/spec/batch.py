@@ -80,6 +80,7 @@ class Batch:
         self.engine = engine
         self.cache = RaggedCache()
         self.rows: list[Request] = []  # rows[b] owns cache row b
+        self.catch_up_s = 0.0  # of the last step: drafter backlogs appended before drafting
 
     def open(self, input_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
              stop: Sequence[str] = (), seed: int | None = None) -> Request:
@@ -157,6 +158,11 @@ class Batch:
         """Every row's draft tree (its pending root alone where there is no draft this step)."""
         trees = [root_only(r.pending) for r in rows]
         drafting = [b for b, r in enumerate(rows) if r.drafter is not None and max_draft_tokens != 0]
+        t0, catch_ups = time.perf_counter(), [rows[b].drafter.catch_up for b in drafting
+                                             if hasattr(rows[b].drafter, "catch_up")]  # Eagle heads
+        for catch_up in catch_ups:
+            catch_up()
+        self.catch_up_s = time.perf_counter() - t0 if catch_ups else 0.0
         proposed = propose_all([rows[b].drafter for b in drafting], [rows[b].pending for b in drafting],
                                max_draft_tokens)
         for b, tree in zip(drafting, proposed):

@@ -60,6 +60,17 @@ class EagleDrafter:
     def commit(self, aux, next_tokens):
         self._queued.append((aux, next_tokens))
 
+    def catch_up(self) -> None:
+        """Append the backlog, leaving only the last verify step's entries queued: the prompt, or the
+        steps verified without a draft. Prefill-like work a server times apart from the step, so a
+        draft size is charged only what drafting at every step costs (spec/policy.py)."""
+        keep = 0 if self.k is None and len(self._queued) == 1 else 1  # a lone prompt: all backlog
+        if len(self._queued) > keep:
+            last = self._queued[len(self._queued) - keep:]
+            self._queued = self._queued[:len(self._queued) - keep]
+            self._append_queued()
+            self._queued = last
+
     @torch.no_grad()
     def _append_queued(self):
         """Append entries n..n+T-1 = (g, emb(next token)), causal over the committed prefix."""

@@ -6,8 +6,11 @@ On a CPU a 5-token verify costs about one decode at B = 1 but several at B = 8, 
 as the batch grows. The policy picks the k with the most tokens per second,  (1 + a(k)) / c(B, k)·B.
 This is what SGLang users tune by hand with --speculative-num-draft-tokens, chosen per step here.
 
-Acceptance: g_d = P(a sequence's depth-d draft token is accepted), a running mean over every step
-whose draft reached depth d, so a(k) = g_1 + ... + g_k is monotone in k and shared across k and B.
+Acceptance: g_d = P(a sequence's depth-d draft token is accepted), a mean over every step whose
+draft reached depth d, shared across k and B; a(k) = g_1 + ... + g_k with each g_d capped by the
+shallower ones (a token is only accepted after its parent). A depth starts from one optimistic
+pseudo-step (g = 1) and averages its first 1/EMA steps before it becomes a running mean, so one
+unlucky early step cannot write a depth off for good (it would never be drafted again to correct it).
 Cost: per batch-size bucket (1, 2, 3-4, 5-8, 9-16, ...; neighbouring sizes cost about the same per
 sequence), a running least-squares line  c/B = c0 + c1·k  (drafting is k forwards of the head and the
 verify grows with the tokens, so the cost is close to linear in k). Every step refines the line of
@@ -68,6 +71,7 @@ class DraftSizePolicy:
         self.hist: Counter = Counter()  # k -> steps
         self.current: int | None = None
         self._incumbent: dict[int, int] = {}  # B bucket -> its chosen k (re-measures aside)
+        self._depth_steps: dict[int, int] = {}  # d -> steps that measured depth d (+1 pseudo-step)
         self._steps = 0
 
     def choose(self, batch_size: int) -> int:
@@ -89,7 +93,11 @@ class DraftSizePolicy:
 
     def accepted(self, k: int) -> float:
         """a(k): expected accepted draft tokens per sequence at draft size k (unknown depths: 1)."""
-        return sum(self.depth_accept.get(d, 1.0) for d in range(1, k + 1))
+        total, cap = 0.0, 1.0
+        for d in range(1, k + 1):
+            cap = min(cap, self.depth_accept.get(d, 1.0))
+            total += cap
+        return total
 
     def rates(self, batch_size: int, lines: dict | None = None) -> dict[int, float]:
         """k -> predicted tokens per second and sequence in batch_size's bucket ({} if unmeasured)."""
@@ -113,7 +121,10 @@ class DraftSizePolicy:
         self.hist[k] += 1
         self.lines.setdefault(_bucket(batch_size), CostLine()).add(k, seconds / batch_size)
         for d in range(1, k + 1) if accepted else ():
-            _update(self.depth_accept, d, sum(a >= d for a in accepted) / len(accepted))
+            n = self._depth_steps[d] = self._depth_steps.get(d, 1) + 1  # 1: the optimistic pseudo-step
+            rate = sum(a >= d for a in accepted) / len(accepted)
+            g = self.depth_accept.get(d, 1.0)
+            self.depth_accept[d] = g + (rate - g) * max(EMA, 1 / n)
 
     def info(self) -> dict:
         """For /server_info: the current choice, steps per draft size, the best k and the cost line
@@ -140,7 +151,3 @@ class DraftSizePolicy:
 def _bucket(batch_size: int) -> int:
     """The power of two at or above batch_size."""
     return 1 << (batch_size - 1).bit_length()
-
-
-def _update(means: dict, key, value: float) -> None:
-    means[key] = value if key not in means else (1 - EMA) * means[key] + EMA * value
