@@ -100,3 +100,16 @@ def test_a_new_batch_size_starts_from_its_neighbours_choice_not_a_full_draft():
     first = _simulate(p, 16, lambda k: 0.19 * (1 + 1.5 * k), accept_depth=1, steps=20)
     assert first[:2] == [0, 1] and max(first) <= 1
     assert p.choose(3) == 0  # bucket 4: nearest measured is 8 (or 1/2 if they were), not k_max
+
+
+def test_a_size_far_outside_the_measured_ones_is_not_chosen_on_extrapolation():
+    """Sizes 0 and 1 measured at a batch of 4 on a line that would make 4 look best (cheap drafts, an
+    optimistic prior for the unmeasured depths): the policy climbs one size at a time, measuring as it
+    goes, and stops where the real (convex) cost says."""
+    p = DraftSizePolicy(k_max=4)
+    real = {0: 0.040, 1: 0.044, 2: 0.060, 3: 0.090, 4: 0.130}  # verification fills the cores from k = 2
+    for k in (0, 1):
+        p.observe(4, k, real[k], [min(k, 1)] * 4)  # depth 1 always accepted
+    assert set(p.rates(4)) == {0, 1, 2}  # 3 and 4 are not predicted from a line through 0 and 1
+    chosen = _simulate(p, 4, real.get, accept_depth=1, steps=100)
+    assert chosen[-30:].count(1) >= 25 and chosen.count(4) <= 3

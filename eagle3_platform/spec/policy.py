@@ -17,7 +17,8 @@ verify grows with the tokens, so the cost is close to linear in k). Every step r
 its bucket, whatever its k, so wall-time noise averages out over all steps instead of one cell per
 k, and the cost of a k never measured in the bucket is predicted rather than paid for.
 Exploration: a bucket seen for the first time starts from the best k of the nearest measured bucket
-(k_max on the very first step), then its neighbour, which gives the line two points; afterwards every
+(k_max on the very first step), then its neighbour, which gives the line two points; a size is only
+chosen within one of those measured in its bucket, so the range widens step by step. Every
 `explore_every` steps a neighbour of the best k is measured again, so the choice follows the load and
 the acceptance. A k is only left for one predicted to be `SWITCH_MARGIN` faster (no flapping on noise).
 """
@@ -35,10 +36,10 @@ class CostLine:
     def __init__(self):
         self.n = 0
         self.mk = self.my = self.skk = self.sky = 0.0
-        self.ks: set[int] = set()
+        self.k_lo = self.k_hi = -1  # the draft sizes measured span k_lo..k_hi
 
     def add(self, k: int, y: float) -> None:
-        self.ks.add(k)
+        self.k_lo, self.k_hi = (k, k) if self.n == 0 else (min(self.k_lo, k), max(self.k_hi, k))
         if self.n == 0:
             self.mk, self.my = float(k), y
         else:  # exponentially weighted mean and (co)variance, West's incremental form
@@ -51,7 +52,7 @@ class CostLine:
 
     @property
     def ready(self) -> bool:
-        return len(self.ks) >= 2 and self.skk > 0
+        return self.k_hi > self.k_lo and self.skk > 0
 
     def coef(self) -> tuple[float, float]:
         """(c0, c1); c1 >= 0: a longer draft never costs less (a negative slope is noise)."""
@@ -81,8 +82,7 @@ class DraftSizePolicy:
         if line is None:  # a new bucket: what its nearest measured neighbour does best
             k = self._nearest_best(b)
         elif not line.ready:  # one k measured here: its neighbour gives the line a second point
-            (k0,) = line.ks
-            k = k0 - 1 if k0 > 0 else min(1, self.k_max)
+            k = line.k_lo - 1 if line.k_lo > 0 else min(1, self.k_max)
         else:
             k = self._incumbent[b] = self.best(batch_size)
             if self._steps % self.explore_every == 0:  # re-measure a neighbour, alternating sides
@@ -100,11 +100,14 @@ class DraftSizePolicy:
         return total
 
     def rates(self, batch_size: int, lines: dict | None = None) -> dict[int, float]:
-        """k -> predicted tokens per second and sequence in batch_size's bucket ({} if unmeasured)."""
+        """k -> predicted tokens per second and sequence in batch_size's bucket ({} if unmeasured), for
+        the sizes measured there and one beyond either end: the line interpolates, it is not trusted
+        far outside what it saw (the verify cost turns convex once a batch's tokens fill the cores)."""
         line = (self.lines if lines is None else lines).get(_bucket(batch_size))
         if line is None or not line.ready:
             return {}
-        return {k: (1 + self.accepted(k)) / line.predict(k) for k in range(self.k_max + 1)}
+        lo, hi = max(0, line.k_lo - 1), min(self.k_max, line.k_hi + 1)
+        return {k: (1 + self.accepted(k)) / line.predict(k) for k in range(lo, hi + 1)}
 
     def best(self, batch_size: int, lines: dict | None = None) -> int:
         rates = self.rates(batch_size, lines)
