@@ -46,11 +46,9 @@ def run_engine(engine, prompts, max_new, draft_size=None, policy=None):
     steps, sizes = 0, []
     while batch.rows:
         k = policy.choose(len(batch.rows)) if policy is not None else draft_size
-        ts = time.perf_counter()
         out = batch.step(k)
         if policy is not None:
-            policy.observe(len(out), k, time.perf_counter() - ts - batch.catch_up_s,
-                           [r.last_accepted for r, _ in out])
+            policy.observe(len(out), k, batch.step_s, [r.last_accepted for r, _ in out])
         for r, toks in out:
             outs[r] += toks
         steps, sizes = steps + len(out), sizes + [k or 0]

@@ -4,6 +4,7 @@ batched forward equal each row's own forward within tolerance; T > 0 keeps the t
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -120,8 +121,9 @@ def test_drafter_backlog_is_caught_up_apart_and_equals_one_append(target):
     ref = EagleDrafter(r.drafter.draft, r.drafter.cfg)
     ref._queued = list(r.drafter._queued)
     ref._append_queued()  # all 4 chunks in one forward
+    t0 = time.perf_counter()
     batch.step(max_draft_tokens=2)
-    assert batch.catch_up_s > 0.0
+    assert batch.catch_up_s > 0.0 and 0.0 < batch.step_s < time.perf_counter() - t0 - batch.catch_up_s + 1e-9
     assert r.drafter.n == ref.n  # the last chunk was appended by the step itself, after the backlog
     torch.testing.assert_close(r.drafter.k, ref.k, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(r.drafter.v, ref.v, atol=1e-5, rtol=1e-5)

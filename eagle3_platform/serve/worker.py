@@ -194,14 +194,11 @@ class EngineWorker:
     def _step(self, batch) -> None:
         jobs = {j.request: j for j in self._running}
         k = self.policy.choose(len(jobs)) if self.policy is not None else None
-        t0 = time.perf_counter()
         out = batch.step(k)
-        seconds = time.perf_counter() - t0
         self.totals.batch_steps += 1
         self.totals.batch_size_hist[len(jobs)] += 1
-        if self.policy is not None:  # drafter backlogs (a prompt, undrafted steps) are not the step's cost
-            self.policy.observe(len(jobs), k, seconds - batch.catch_up_s,
-                                [r.last_accepted for r, _ in out])
+        if self.policy is not None:
+            self.policy.observe(len(jobs), k, batch.step_s, [r.last_accepted for r, _ in out])
         for r, toks in out:
             self._deliver(batch, jobs[r], toks)
 

@@ -81,6 +81,7 @@ class Batch:
         self.cache = RaggedCache()
         self.rows: list[Request] = []  # rows[b] owns cache row b
         self.catch_up_s = 0.0  # of the last step: drafter backlogs appended before drafting
+        self.step_s = 0.0  # of the last step, without catch_up_s: what its draft size cost
 
     def open(self, input_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
              stop: Sequence[str] = (), seed: int | None = None) -> Request:
@@ -122,7 +123,7 @@ class Batch:
     def step(self, max_draft_tokens: int | None = None) -> list[tuple[Request, list[int]]]:
         """One verify step over every running row -> (request, tokens it may emit now) per row.
         max_draft_tokens caps each row's draft (0 = plain decoding this step; None = the config)."""
-        rows, e = self.rows, self.engine
+        t0, rows, e = time.perf_counter(), self.rows, self.engine
         trees = self._propose(rows, max_draft_tokens)
         q = max(len(t) for t in trees)
         tokens, pos, anc = _pad_trees(trees, q, self.cache.lengths)  # [B,q], [B,q], [B,q,q]
@@ -141,6 +142,7 @@ class Batch:
             r.steps, r.last_accepted = r.steps + 1, len(path) - 1
             r.hist[len(new)] += 1
             out.append((r, r.fin.push(new)))
+        self.step_s = time.perf_counter() - t0 - self.catch_up_s
         return out
 
     def close(self, r: Request) -> dict:

@@ -65,9 +65,9 @@ class EagleDrafter:
         steps verified without a draft. Prefill-like work a server times apart from the step, so a
         draft size is charged only what drafting at every step costs (spec/policy.py)."""
         keep = 0 if self.k is None and len(self._queued) == 1 else 1  # a lone prompt: all backlog
-        if len(self._queued) > keep:
-            last = self._queued[len(self._queued) - keep:]
-            self._queued = self._queued[:len(self._queued) - keep]
+        backlog = len(self._queued) - keep
+        if backlog > 0:
+            self._queued, last = self._queued[:backlog], self._queued[backlog:]
             self._append_queued()
             self._queued = last
 
