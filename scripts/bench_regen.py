@@ -1,11 +1,14 @@
-"""Regeneration throughput through `regenerate_file`: a preset's path vs the turn-1 demo path.
+"""Regeneration throughput through `regenerate_file`: a preset's path vs a reference path.
 
-The turn-1 demo path is fp32, batches of 8, 1 torch thread; the preset's path is its dtype (auto =
-bf16 where the CPU has it), length-planned batches and its thread count. Same prompts (held-out-free
-ShareGPT chat prompts from `eagle3 sources`), same greedy budget, in one process; the paths alternate
-which goes first per repeat. Response PII scanning is off: this measures generation.
+Reference `turn1_demo_path` (default): fp32, batches of 8, 1 torch thread; the preset's path is its
+dtype (auto = bf16 where the CPU has it), length-planned batches and its thread count. With
+`--reference no_cache_reuse`: the preset's path with every turn re-prefilling its history (multi-turn
+KV cache reuse off). Same prompts (train prompts of `--workload` from `eagle3 sources`), same greedy
+budget, in one process; the paths alternate which goes first per repeat. Response PII scanning is
+off: this measures generation.
 
     python scripts/bench_regen.py --target ~/.cache/eagle3-runs/smol --prompts 64 --preset demo
+    python scripts/bench_regen.py --workload multi_turn --prompts 48 --preset cpu --reference no_cache_reuse
 """
 from __future__ import annotations
 
@@ -29,8 +32,8 @@ from eagle3_platform.records import write_jsonl_atomic  # noqa: E402
 from eagle3_platform.target import SMOLLM2, prepare_target  # noqa: E402
 
 
-def write_prompts(path: Path, n: int) -> None:
-    recs = [r for r in iter_workload("chat", split="train", limit=n, seed=0)]
+def write_prompts(path: Path, n: int, workload: str) -> None:
+    recs = [r for r in iter_workload(workload, split="train", limit=n, seed=0)]
     write_jsonl_atomic(path, recs)
 
 
@@ -47,6 +50,8 @@ def main() -> None:
     ap.add_argument("--target", default=None, help="prepared target dir (default: prepare SmolLM2 into the cache)")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--preset", default="demo")
+    ap.add_argument("--workload", default="chat")
+    ap.add_argument("--reference", default="turn1_demo_path", choices=["turn1_demo_path", "no_cache_reuse"])
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default: the preset's")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default=None, help="optional JSON results file")
@@ -58,12 +63,16 @@ def main() -> None:
     new = PRESETS[a.preset]
     if a.max_new_tokens:
         new = replace(new, max_new_tokens=a.max_new_tokens)
-    old = replace(new, dtype="float32", batch_size=8, torch_threads=1)  # the turn-1 demo path
+    ref = a.reference
+    if ref == "turn1_demo_path":
+        old = replace(new, dtype="float32", batch_size=8, torch_threads=1)
+    else:
+        old = replace(new, reuse_turn_cache=False)
     work = Path(tempfile.mkdtemp(prefix="bench-regen-"))
     prompts = work / "prompts.jsonl"
-    write_prompts(prompts, a.prompts)
-    rates: dict[str, list[float]] = {"turn1_demo_path": [], f"{a.preset}_path": []}
-    cfgs = {"turn1_demo_path": old, f"{a.preset}_path": new}
+    write_prompts(prompts, a.prompts, a.workload)
+    rates: dict[str, list[float]] = {ref: [], f"{a.preset}_path": []}
+    cfgs = {ref: old, f"{a.preset}_path": new}
     summaries = {}
     for r in range(a.repeats):
         names = list(cfgs) if r % 2 == 0 else list(cfgs)[::-1]
@@ -73,11 +82,11 @@ def main() -> None:
             print(f"[bench] repeat {r}: {name:16s} {summaries[name]['new_tokens']} tokens, {rate:.1f} tok/s",
                   file=sys.stderr, flush=True)
     med = {k: statistics.median(v) for k, v in rates.items()}
-    ratio = med[f"{a.preset}_path"] / med["turn1_demo_path"]
-    result = {"prompts": a.prompts, "configs": {k: asdict(v) for k, v in cfgs.items()},
+    ratio = med[f"{a.preset}_path"] / med[ref]
+    result = {"prompts": a.prompts, "workload": a.workload, "configs": {k: asdict(v) for k, v in cfgs.items()},
               "tok_per_s_median": med, "tok_per_s_all": rates, "speedup": ratio,
               "loadavg": os.getloadavg()}
-    print(f"turn-1 demo path {med['turn1_demo_path']:.1f} tok/s | {a.preset} path "
+    print(f"{ref} {med[ref]:.1f} tok/s | {a.preset} path "
           f"{med[f'{a.preset}_path']:.1f} tok/s | x{ratio:.2f} (load {os.getloadavg()[0]:.2f})")
     print(json.dumps(result))
     if a.out:

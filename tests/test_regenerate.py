@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from eagle3_platform.data.chat import render, render_prompt, template_hash
-from eagle3_platform.data.local_gen import Sampling, generate_batch
+from eagle3_platform.data.local_gen import Sampling, common_prefix, generate_batch
 from eagle3_platform.data.regenerate import PRESETS, regenerate_file
 from eagle3_platform.records import ConversationRecord, Rejection, read_jsonl
 
@@ -106,6 +106,58 @@ def test_batched_greedy_equals_per_prompt_generate(tiny_target, tok):
         assert g.tokens == ref
         assert g.finish_reason == ("stop" if ref[-1] == tok.eos_token_id else "length")
         assert len(g.tokens) <= n
+
+
+def test_a_later_turn_reuses_the_conversation_cache(tiny_target, tok):
+    """Turn 2 prefills only what is past turn 1's cached prompt + answer, and answers exactly as a
+    full re-prefill of its history does (fp32 greedy); a row without a cache is prefilled whole."""
+    model, eos = tiny_target.model, tok.eos_token_id
+    users = ["Hi", "What is the capital of France? Explain step by step.", "Solve: x + 3 = 7", "def add(a, b):"]
+    first = [render_prompt(tok, [{"role": "user", "content": u}]) for u in users]
+    turn1 = generate_batch(model, first, [5, 12, 3, 9], {eos}, tok.pad_token_id, keep_cache=True)
+    for p, g in zip(first, turn1):  # the cache handed back is the prompt + answer as fed, in order
+        assert g.cache.ids == p + g.tokens[:-1]
+        ref = model(input_ids=torch.tensor([g.cache.ids]), use_cache=True).past_key_values
+        for layer, (k, v) in enumerate(zip(g.cache.keys, g.cache.values)):
+            torch.testing.assert_close(k, ref.layers[layer].keys[0], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(v, ref.layers[layer].values[0], atol=1e-4, rtol=1e-4)
+    second = []
+    for u, g in zip(users, turn1):
+        answer = tok.decode([t for t in g.tokens if t != eos], skip_special_tokens=True)
+        second.append(render_prompt(tok, [{"role": "user", "content": u}, {"role": "assistant", "content": answer},
+                                          {"role": "user", "content": "And then?"}]))
+    widths = []
+    hook = model.register_forward_pre_hook(lambda m, a, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        prefixes = [g.cache for g in turn1]
+        reused = generate_batch(model, second, [6, 2, 8, 4], {eos}, tok.pad_token_id, prefixes=prefixes)
+        suffixes = [len(p) - min(common_prefix(p, g.cache.ids), len(p) - 1) for p, g in zip(second, turn1)]
+        assert widths[0] == max(suffixes) < min(map(len, second))  # the prefill skipped every history
+        mixed = generate_batch(model, second, [6, 2, 8, 4], {eos}, tok.pad_token_id, prefixes=[None] + prefixes[1:])
+    finally:
+        hook.remove()
+    plain = generate_batch(model, second, [6, 2, 8, 4], {eos}, tok.pad_token_id)
+    assert [g.tokens for g in reused] == [g.tokens for g in mixed] == [g.tokens for g in plain]
+    assert [g.finish_reason for g in reused] == [g.finish_reason for g in plain]
+
+
+def test_multi_turn_records_do_not_depend_on_cache_reuse(tiny_target_dir, tmp_path, monkeypatch):
+    """With cache reuse off every turn re-prefills its history: the records are the same (fp32)."""
+    import eagle3_platform.data.regenerate as regenerate
+
+    prompts = [prompt_record(i, [f"Question {i}." + " More words." * i, "And then?", "Why?"]) for i in range(5)]
+    inp = write_prompts(tmp_path / "in.jsonl", prompts)
+    Store = regenerate.PrefixStore
+    kept, real_put = [], Store.put
+    monkeypatch.setattr(Store, "put", lambda self, i, pre: real_put(self, i, pre) or kept.append(i in self.caches))
+    regenerate_file(tiny_target_dir, inp, tmp_path / "reused.jsonl", TINY, scanner=NoScan())
+    assert kept and all(kept)  # every conversation with a next turn kept its cache
+    kept.clear()
+    regenerate_file(tiny_target_dir, inp, tmp_path / "recomputed.jsonl", replace(TINY, reuse_turn_cache=False),
+                    scanner=NoScan())
+    assert kept and not any(kept)  # offered and refused: no room
+    strip = lambda path: sorted((r["id"], r["messages"]) for r in read_jsonl(path))
+    assert strip(tmp_path / "reused.jsonl") == strip(tmp_path / "recomputed.jsonl")
 
 
 def test_sampling_is_per_record_not_per_batch(tiny_target, tok):

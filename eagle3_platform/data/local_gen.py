@@ -12,6 +12,13 @@ prefill keeps only the last row of logits (a [B,T,V] logits tensor is GBs), and 
 the cache in groups (each removal copies the whole cache), decoding a few ignored rows meanwhile.
 The cache grows in place (kv_cache.GrowingCache), not by concatenation; on CPU the target decodes with
 grouped-query attention (attention.py, set by load_target).
+
+Multi-turn conversations reuse their cache across turns (`Prefix`): turn k+1's prompt is turn k's
+prompt + answer + the next user turn, so a row hands back the keys/values it computed, and the next
+call prefills only the tokens past the longest common prefix. Without it, every turn re-prefilled the
+whole history: on 2 cores the prefills of long histories took most of the multi-turn regeneration.
+A reused prefix sits right-aligned before a left-padded suffix, so a row reads
+[pad][prefix][pad][suffix] under its 2D mask, with positions counting its real tokens only.
 """
 from __future__ import annotations
 
@@ -30,9 +37,18 @@ class Sampling:
 
 
 @dataclass
+class Prefix:
+    """A row's KV cache handed back by generate_batch: the ids it holds, their keys/values per layer."""
+    ids: list[int]
+    keys: list[torch.Tensor]  # per layer [kv, n, hd]
+    values: list[torch.Tensor]
+
+
+@dataclass
 class Generated:
     tokens: list[int]  # generated ids, the stop token included when one was produced
     finish_reason: str  # "stop" (end-of-turn/EOS) | "length" (hit its budget)
+    cache: Prefix | None = None  # prompt + tokens[:-1] (keep_cache=True)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,30 +78,84 @@ def pick(logits: torch.Tensor, s: Sampling, gens: list[torch.Generator] | None) 
 
 @torch.no_grad()
 def generate_batch(model, prompts: list[list[int]], max_new: list[int], stop_ids: set[int],
-                   pad_id: int, sampling: Sampling = Sampling(), seeds: list[int] | None = None
-                   ) -> list[Generated]:
-    """Decode every prompt until a stop id or its own budget `max_new[i]`."""
-    from eagle3_platform.kv_cache import GrowingCache
-
+                   pad_id: int, sampling: Sampling = Sampling(), seeds: list[int] | None = None,
+                   prefixes: list[Prefix | None] | None = None, keep_cache: bool = False) -> list[Generated]:
+    """Decode every prompt until a stop id or its own budget `max_new[i]`. prefixes[i]: an earlier
+    call's cache of row i (only its common prefix with prompts[i] is used); keep_cache: hand each
+    row's cache back in Generated.cache."""
     device = next(model.parameters()).device
-    ids, mask = left_pad(prompts, pad_id)
-    ids, mask = ids.to(device), mask.to(device)
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [B,T]
+    cache, mask, logits = _prefill(model, prompts, prefixes or [None] * len(prompts), pad_id, device)
+    next_pos = mask.sum(-1)  # [B] = prompt lengths: each row's next position
     gens = None
     if sampling.do_sample:
         gens = [torch.Generator().manual_seed(s) for s in (seeds or [0] * len(prompts))]
-    cache = GrowingCache()
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                   use_cache=True, logits_to_keep=1).logits[:, -1]  # [B,V]
-    next_pos = pos[:, -1] + 1  # [B]
     out = [Generated([], "") for _ in prompts]
-    _decode(model, logits, cache, mask, next_pos, out, max_new, stop_ids, sampling, gens)
+    hand_back = (lambda rows, b_idx, m: _hand_back(cache, m, rows, b_idx, prompts, out)) if keep_cache else None
+    _decode(model, logits, cache, mask, next_pos, out, max_new, stop_ids, sampling, gens, hand_back)
     return out
 
 
+def _prefill(model, prompts: list[list[int]], prefixes: list[Prefix | None], pad_id: int, device):
+    """-> (cache, mask [B,C+S] (1 = real token), last logits [B,V]). Row i reuses
+    n_i = common_prefix(prompts[i], prefixes[i]) cached tokens (at most all but the prompt's last,
+    which must run for its logits) and prefills the rest."""
+    from eagle3_platform.kv_cache import GrowingCache
+
+    reused = [0 if pre is None else min(common_prefix(p, pre.ids), len(p) - 1) for p, pre in zip(prompts, prefixes)]
+    C = max(reused)
+    ids, mask = left_pad([p[n:] for p, n in zip(prompts, reused)], pad_id)  # suffixes [B,S]
+    cached = torch.zeros(len(prompts), C, dtype=torch.long)
+    for i, n in enumerate(reused):
+        cached[i, C - n:] = 1
+    mask = torch.cat([cached, mask], dim=1).to(device)  # [B,C+S]
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, C:]  # [B,S]: row i's suffix at n_i, n_i+1, ...
+    cache = GrowingCache()
+    if C:
+        _load_prefixes(cache, prefixes, reused, C)
+    logits = model(input_ids=ids.to(device), attention_mask=mask, position_ids=pos, past_key_values=cache,
+                   use_cache=True, logits_to_keep=1).logits[:, -1]  # [B,V]
+    return cache, mask, logits
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _load_prefixes(cache, prefixes: list[Prefix | None], reused: list[int], C: int) -> None:
+    """Row i's first reused[i] cached keys/values, right-aligned in [B,kv,C,hd] buffers per layer."""
+    src = next(p for p, n in zip(prefixes, reused) if n)
+    kv, _, hd = src.keys[0].shape
+    for layer in range(len(src.keys)):
+        k = src.keys[layer].new_zeros(len(prefixes), kv, C, hd)  # zeros: masked slots must not be NaN
+        v = torch.zeros_like(k)
+        for i, (pre, n) in enumerate(zip(prefixes, reused)):
+            if n:
+                k[i, :, C - n:] = pre.keys[layer][:, :n]
+                v[i, :, C - n:] = pre.values[layer][:, :n]
+        cache.update(k, v, layer)
+
+
+def _hand_back(cache, mask, rows: list[int], batch_idx: list[int], prompts, out: list[Generated]) -> None:
+    """Copy the caches of batch rows batch_idx (prompt indices rows) into out[r].cache: the first
+    len(prompt) + len(tokens) - 1 real slots, i.e. the prompt and every generated token but the last
+    (which was never fed back; a finished row left in the batch is fed tokens past its end)."""
+    for b, r in zip(batch_idx, rows):
+        n = len(prompts[r]) + len(out[r].tokens) - 1
+        slots = mask[b].nonzero()[:n, 0]  # [n] real slots, in order
+        out[r].cache = Prefix(ids=list(prompts[r]) + out[r].tokens[:-1],
+                              keys=[layer.keys[b][:, slots] for layer in cache.layers],
+                              values=[layer.values[b][:, slots] for layer in cache.layers])
+
+
 def _decode(model, logits, cache, mask, next_pos, out: list[Generated], max_new: list[int],
-            stop_ids: set[int], sampling: Sampling, gens) -> None:
-    """The decode loop of generate_batch: one token per live row per step until every row finished."""
+            stop_ids: set[int], sampling: Sampling, gens, hand_back=None) -> None:
+    """The decode loop of generate_batch: one token per live row per step until every row finished.
+    hand_back(prompt indices, batch rows, mask): called for rows about to leave the cache."""
     device = mask.device
     rows = list(range(len(out)))  # batch row -> prompt index, shrinks as rows finish
     live = [True] * len(out)  # batch row still decoding (finished rows stay until compaction)
@@ -104,8 +174,13 @@ def _decode(model, logits, cache, mask, next_pos, out: list[Generated], max_new:
             live[b] = False
         keep = [b for b in range(len(rows)) if live[b]]
         if not keep:
+            if hand_back:
+                hand_back(rows, list(range(len(rows))), mask)
             break
         if len(rows) - len(keep) >= max(1, len(rows) // 4):  # compact: drop finished rows from the cache
+            if hand_back:
+                gone = [b for b in range(len(rows)) if not live[b]]
+                hand_back([rows[b] for b in gone], gone, mask)
             idx = torch.tensor(keep, device=device)
             cache.batch_select_indices(idx)
             mask, next_pos = mask[idx], next_pos[idx]

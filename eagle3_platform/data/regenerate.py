@@ -53,6 +53,9 @@ class RegenConfig:
     batch_tokens: int = 16384
     dtype: str = "auto"  # local compute dtype: auto = bf16 where the hardware has it (compute.py)
     torch_threads: int = 0  # local: 0 = all cores (the step runs alone); >0 pins (a shared box)
+    # local multi-turn: keep each conversation's KV cache between turns (False re-prefills the whole
+    # history every turn: same answers up to rounding, for benchmarks)
+    reuse_turn_cache: bool = True
     request_timeout_s: float = 600.0
     max_retries: int = 5
     backoff_s: float = 0.5
@@ -466,32 +469,61 @@ def kv_token_budget(model, fraction: float = 0.25) -> int:
 def decode_turns(model, batch: list[Convo], turns: Turns, cfg: RegenConfig, budget: int) -> None:
     """Advance the whole batch one user turn at a time; conversations with fewer turns drop out.
     Later turns carry the whole history, so each turn is re-split by its own prompt lengths: the
-    batch_tokens bound holds for every forward, not only for turn 1."""
+    batch_tokens bound holds for every forward, not only for turn 1. A conversation keeps its KV cache
+    between turns (local_gen.Prefix), so a turn prefills only the new user message; caches are kept
+    while they fit in kv_token_budget (RAM), beyond that a turn re-prefills its history."""
     from eagle3_platform.data.local_gen import Sampling
 
     sampling = Sampling(cfg.do_sample, cfg.temperature, cfg.top_p)
     pad_id = turns.tok.pad_token_id if turns.tok.pad_token_id is not None else min(turns.stop_ids)
-    for k in range(max(len(c.segments) for c in batch)):
+    caches = PrefixStore(kv_token_budget(model) if cfg.reuse_turn_cache else 0)
+    last = max(len(c.segments) for c in batch)
+    for k in range(last):
         reqs = [(c, turns.next(c, k)) for c in batch
                 if k < len(c.segments) and c.reject is None and not c.dropped_turns]
         reqs = sorted(((c, nxt) for c, nxt in reqs if nxt is not None), key=lambda r: len(r[1][1]))
+        asked = {c.rec.id for c, _ in reqs}
+        for c in batch:  # out of turns or of budget: its cache is no longer needed
+            if c.rec.id not in asked:
+                caches.pop(c.rec.id)
         if not reqs:
             return
         for group in plan_batches(reqs, [len(ids) for _, (_, ids, _) in reqs], cfg, budget):
-            decode_group(model, group, turns, cfg, k, sampling, pad_id)
+            decode_group(model, group, turns, cfg, k, sampling, pad_id, caches, more_turns=k + 1 < last)
 
 
-def decode_group(model, group: list, turns: Turns, cfg: RegenConfig, k: int, sampling, pad_id: int) -> None:
+class PrefixStore:
+    """Conversation id -> its KV cache after its last answered turn, at most `budget` tokens in all."""
+
+    def __init__(self, budget: int):
+        self.budget, self.tokens, self.caches = budget, 0, {}
+
+    def pop(self, rec_id: str):
+        pre = self.caches.pop(rec_id, None)
+        self.tokens -= len(pre.ids) if pre else 0
+        return pre
+
+    def put(self, rec_id: str, pre) -> None:
+        if pre is not None and self.tokens + len(pre.ids) <= self.budget:
+            self.caches[rec_id] = pre
+            self.tokens += len(pre.ids)
+
+
+def decode_group(model, group: list, turns: Turns, cfg: RegenConfig, k: int, sampling, pad_id: int,
+                 caches: PrefixStore, more_turns: bool) -> None:
     """One forward batch of turn k: [(convo, (messages, prompt ids, max new))] answered in place."""
     from eagle3_platform.data.local_gen import generate_batch
 
     outs = generate_batch(model, [ids for _, (_, ids, _) in group], [n for _, (_, _, n) in group],
                           turns.stop_ids, pad_id, sampling,
-                          seeds=[turn_seed(cfg.seed, c.rec.id, k) for c, _ in group])
+                          seeds=[turn_seed(cfg.seed, c.rec.id, k) for c, _ in group],
+                          prefixes=[caches.pop(c.rec.id) for c, _ in group], keep_cache=more_turns)
     for (c, (msgs, _, _)), g in zip(group, outs):
         body = g.tokens[:-1] if g.finish_reason == "stop" else g.tokens  # the EOT is the template's
         text = turns.tok.decode(body, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         turns.answer(c, msgs, text, g.finish_reason, len(g.tokens))
+        if k + 1 < len(c.segments):
+            caches.put(c.rec.id, g.cache)
 
 
 def summarize(prompts: Prompts, out_path: Path, rejected_path: Path, resumed: int, progress: Progress,
