@@ -15,8 +15,8 @@ grouped-query attention (attention.py, set by load_target).
 
 Multi-turn conversations reuse their cache across turns (`Prefix`): turn k+1's prompt is turn k's
 prompt + answer + the next user turn, so a row hands back the keys/values it computed, and the next
-call prefills only the tokens past the longest common prefix. Without it, every turn re-prefilled the
-whole history: on 2 cores the prefills of long histories took most of the multi-turn regeneration.
+call prefills only the tokens past the longest common prefix instead of the whole history (48 ShareGPT
+multi-turn conversations, cpu preset, 2 cores: 92.5 -> 114.2 tok/s; scripts/bench_regen.py).
 A reused prefix sits right-aligned before a left-padded suffix, so a row reads
 [pad][prefix][pad][suffix] under its 2D mask, with positions counting its real tokens only.
 """
