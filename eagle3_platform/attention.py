@@ -40,11 +40,20 @@ def grouped_attention(query, key, value, mask=None, scaling=None):
     kv = key.shape[1]
     r = H // kv
     qg = query.reshape(B, kv, r * q, d)  # [B,kv,r*q,d]: row i*q+j is query token j of head i
-    scores = torch.matmul(qg, key.transpose(-1, -2)).float() * (d ** -0.5 if scaling is None else scaling)
+    scores = _scores(qg, key).float() * (d ** -0.5 if scaling is None else scaling)  # [B,kv,r*q,S]
     if mask is not None:
         scores = scores + _grouped_bias(mask, r, key.shape[-2])
     weights = torch.softmax(scores, dim=-1).to(value.dtype)  # [B,kv,r*q,S]
     return torch.matmul(weights, value).reshape(B, H, q, d)
+
+
+def _scores(qg: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """qg [B,kv,m,d] @ keyᵀ -> [B,kv,m,S]. A cache's keys are usually a prefix view of a larger buffer;
+    CPU bf16 matmul on such a view, transposed, is 3-5x slower than on a packed copy (B 16, 1200
+    cached tokens: 2.3 vs 0.46 ms), so the strided keys stay row-major: (key @ qgᵀ)ᵀ, the same sums."""
+    if key.is_contiguous():
+        return torch.matmul(qg, key.transpose(-1, -2))
+    return torch.matmul(key, qg.transpose(-1, -2)).transpose(-1, -2)
 
 
 _last_bias: tuple = (None, None, None)  # (mask, (version, r, S), bias): a forward's layers share a mask

@@ -124,3 +124,27 @@ def test_grouped_attention_takes_inference_mode_masks():
     with torch.inference_mode():
         got = grouped_attention(q, k, k, allowed.clone())
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_grouped_attention_over_a_cache_view_matches_sdpa(dtype, q_len):
+    """Keys that are a prefix view of a larger buffer (every cache here) take the row-major product
+    (key @ qᵀ)ᵀ; it must equal sdpa over copied key heads, and the packed-key path."""
+    from eagle3_platform.attention import grouped_attention
+
+    B, H, kv, S, d = 3, 6, 2, 40, 16
+    buf_k, buf_v = torch.randn(B, kv, S + 24, d, dtype=dtype), torch.randn(B, kv, S + 24, d, dtype=dtype)
+    k, v = buf_k[:, :, :S], buf_v[:, :, :S]  # strided: the buffer has spare slots
+    assert not k.is_contiguous()
+    q = torch.randn(B, H, q_len, d, dtype=dtype)
+    allowed = torch.rand(B, 1, q_len, S) < 0.7
+    allowed[..., 0] = True
+    got = grouped_attention(q, k, v, allowed)
+    packed = grouped_attention(q, k.contiguous(), v.contiguous(), allowed)
+    rep = H // kv
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float().repeat_interleave(rep, 1), v.float().repeat_interleave(rep, 1), attn_mask=allowed)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), ref, **tol)
+    torch.testing.assert_close(got.float(), packed.float(), **tol)
