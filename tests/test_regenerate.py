@@ -114,7 +114,7 @@ def test_a_later_turn_reuses_the_conversation_cache(tiny_target, tok):
     model, eos = tiny_target.model, tok.eos_token_id
     users = ["Hi", "What is the capital of France? Explain step by step.", "Solve: x + 3 = 7", "def add(a, b):"]
     first = [render_prompt(tok, [{"role": "user", "content": u}]) for u in users]
-    turn1 = generate_batch(model, first, [5, 12, 3, 9], {eos}, tok.pad_token_id, keep_cache=True)
+    turn1 = generate_batch(model, first, [5, 12, 3, 9], {eos}, tok.pad_token_id, keep_cache=[True] * 4)
     for p, g in zip(first, turn1):  # the cache handed back is the prompt + answer as fed, in order
         assert g.cache.ids == p + g.tokens[:-1]
         ref = model(input_ids=torch.tensor([g.cache.ids]), use_cache=True).past_key_values

@@ -48,7 +48,7 @@ class Prefix:
 class Generated:
     tokens: list[int]  # generated ids, the stop token included when one was produced
     finish_reason: str  # "stop" (end-of-turn/EOS) | "length" (hit its budget)
-    cache: Prefix | None = None  # prompt + tokens[:-1] (keep_cache=True)
+    cache: Prefix | None = None  # prompt + tokens[:-1] (where keep_cache asked for it)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,10 +79,11 @@ def pick(logits: torch.Tensor, s: Sampling, gens: list[torch.Generator] | None) 
 @torch.no_grad()
 def generate_batch(model, prompts: list[list[int]], max_new: list[int], stop_ids: set[int],
                    pad_id: int, sampling: Sampling = Sampling(), seeds: list[int] | None = None,
-                   prefixes: list[Prefix | None] | None = None, keep_cache: bool = False) -> list[Generated]:
+                   prefixes: list[Prefix | None] | None = None, keep_cache: list[bool] | None = None
+                   ) -> list[Generated]:
     """Decode every prompt until a stop id or its own budget `max_new[i]`. prefixes[i]: an earlier
-    call's cache of row i (only its common prefix with prompts[i] is used); keep_cache: hand each
-    row's cache back in Generated.cache."""
+    call's cache of row i (only its common prefix with prompts[i] is used); keep_cache[i]: hand row
+    i's cache back in Generated.cache."""
     device = next(model.parameters()).device
     cache, mask, logits = _prefill(model, prompts, prefixes or [None] * len(prompts), pad_id, device)
     next_pos = mask.sum(-1)  # [B] = prompt lengths: each row's next position
@@ -90,7 +91,9 @@ def generate_batch(model, prompts: list[list[int]], max_new: list[int], stop_ids
     if sampling.do_sample:
         gens = [torch.Generator().manual_seed(s) for s in (seeds or [0] * len(prompts))]
     out = [Generated([], "") for _ in prompts]
-    hand_back = (lambda rows, b_idx, m: _hand_back(cache, m, rows, b_idx, prompts, out)) if keep_cache else None
+    hand_back = None
+    if keep_cache and any(keep_cache):
+        hand_back = lambda rows, b_idx, m: _hand_back(cache, m, rows, b_idx, prompts, out, keep_cache)
     _decode(model, logits, cache, mask, next_pos, out, max_new, stop_ids, sampling, gens, hand_back)
     return out
 
@@ -140,11 +143,14 @@ def _load_prefixes(cache, prefixes: list[Prefix | None], reused: list[int], C: i
         cache.update(k, v, layer)
 
 
-def _hand_back(cache, mask, rows: list[int], batch_idx: list[int], prompts, out: list[Generated]) -> None:
-    """Copy the caches of batch rows batch_idx (prompt indices rows) into out[r].cache: the first
-    len(prompt) + len(tokens) - 1 real slots, i.e. the prompt and every generated token but the last
-    (which was never fed back; a finished row left in the batch is fed tokens past its end)."""
+def _hand_back(cache, mask, rows: list[int], batch_idx: list[int], prompts, out: list[Generated],
+               keep: list[bool]) -> None:
+    """Copy the caches of batch rows batch_idx (prompt indices rows) with keep[r] into out[r].cache:
+    the first len(prompt) + len(tokens) - 1 real slots, i.e. the prompt and every generated token but
+    the last (which was never fed back; a finished row left in the batch is fed tokens past its end)."""
     for b, r in zip(batch_idx, rows):
+        if not keep[r]:
+            continue
         n = len(prompts[r]) + len(out[r].tokens) - 1
         slots = mask[b].nonzero()[:n, 0]  # [n] real slots, in order
         out[r].cache = Prefix(ids=list(prompts[r]) + out[r].tokens[:-1],

@@ -477,8 +477,7 @@ def decode_turns(model, batch: list[Convo], turns: Turns, cfg: RegenConfig, budg
     sampling = Sampling(cfg.do_sample, cfg.temperature, cfg.top_p)
     pad_id = turns.tok.pad_token_id if turns.tok.pad_token_id is not None else min(turns.stop_ids)
     caches = PrefixStore(kv_token_budget(model) if cfg.reuse_turn_cache else 0)
-    last = max(len(c.segments) for c in batch)
-    for k in range(last):
+    for k in range(max(len(c.segments) for c in batch)):
         reqs = [(c, turns.next(c, k)) for c in batch
                 if k < len(c.segments) and c.reject is None and not c.dropped_turns]
         reqs = sorted(((c, nxt) for c, nxt in reqs if nxt is not None), key=lambda r: len(r[1][1]))
@@ -489,7 +488,7 @@ def decode_turns(model, batch: list[Convo], turns: Turns, cfg: RegenConfig, budg
         if not reqs:
             return
         for group in plan_batches(reqs, [len(ids) for _, (_, ids, _) in reqs], cfg, budget):
-            decode_group(model, group, turns, cfg, k, sampling, pad_id, caches, more_turns=k + 1 < last)
+            decode_group(model, group, turns, cfg, k, sampling, pad_id, caches)
 
 
 class PrefixStore:
@@ -504,25 +503,27 @@ class PrefixStore:
         return pre
 
     def put(self, rec_id: str, pre) -> None:
-        if pre is not None and self.tokens + len(pre.ids) <= self.budget:
+        if self.tokens + len(pre.ids) <= self.budget:
             self.caches[rec_id] = pre
             self.tokens += len(pre.ids)
 
 
 def decode_group(model, group: list, turns: Turns, cfg: RegenConfig, k: int, sampling, pad_id: int,
-                 caches: PrefixStore, more_turns: bool) -> None:
-    """One forward batch of turn k: [(convo, (messages, prompt ids, max new))] answered in place."""
+                 caches: PrefixStore) -> None:
+    """One forward batch of turn k: [(convo, (messages, prompt ids, max new))] answered in place; a
+    conversation with a turn left keeps its cache for it."""
     from eagle3_platform.data.local_gen import generate_batch
 
     outs = generate_batch(model, [ids for _, (_, ids, _) in group], [n for _, (_, _, n) in group],
                           turns.stop_ids, pad_id, sampling,
                           seeds=[turn_seed(cfg.seed, c.rec.id, k) for c, _ in group],
-                          prefixes=[caches.pop(c.rec.id) for c, _ in group], keep_cache=more_turns)
+                          prefixes=[caches.pop(c.rec.id) for c, _ in group],
+                          keep_cache=[k + 1 < len(c.segments) for c, _ in group])
     for (c, (msgs, _, _)), g in zip(group, outs):
         body = g.tokens[:-1] if g.finish_reason == "stop" else g.tokens  # the EOT is the template's
         text = turns.tok.decode(body, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         turns.answer(c, msgs, text, g.finish_reason, len(g.tokens))
-        if k + 1 < len(c.segments):
+        if g.cache is not None:  # it has a turn left
             caches.put(c.rec.id, g.cache)
 
 
