@@ -43,6 +43,10 @@ def test_no_logits_path_and_hooks_removed(tiny_target):
     torch.testing.assert_close(a.aux_hidden, b.aux_hidden, rtol=0, atol=0)
     torch.testing.assert_close(a.last_hidden, b.last_hidden, rtol=0, atol=0)
     assert sum(len(m._forward_hooks) for m in model.modules()) == hooks_before
+    last = forward_capture(model, ids, layers, logits_to_keep=1)  # a prefill reads one row of logits
+    assert last.logits.shape == (2, 1, model.config.vocab_size)
+    torch.testing.assert_close(last.logits[:, 0], a.logits[:, -1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(last.aux_hidden, a.aux_hidden, rtol=0, atol=0)
 
 
 @torch.no_grad()

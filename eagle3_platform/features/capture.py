@@ -33,7 +33,7 @@ def decoder_stack(model: torch.nn.Module) -> torch.nn.Module:
 
 def forward_capture(model, input_ids, layer_ids: Sequence[int], *, attention_mask=None,
                     position_ids=None, past_key_values=None, use_cache=False,
-                    compute_logits: bool = True) -> CaptureOutput:
+                    compute_logits: bool = True, logits_to_keep: int = 0) -> CaptureOutput:
     """One target forward that also returns the EAGLE-3 features.
 
     input_ids [B,T]; attention_mask: None, 2D padding mask [B,P+T], or 4D additive float [B,1,T,P+T];
@@ -41,6 +41,8 @@ def forward_capture(model, input_ids, layer_ids: Sequence[int], *, attention_mas
     layer_ids (0-based, 'output of layer i'), last_hidden [B,T,H] (final post-norm), past_key_values).
     compute_logits=False runs only the decoder stack (offline extraction: the teacher logits are
     recomputed from last_hidden with the frozen lm_head at training time), saving the lm_head matmul.
+    logits_to_keep=n > 0: logits of the last n positions only ([B,n,V]; a prefill needs one row, and
+    the lm_head over every prompt token is ~20% of a SmolLM2 forward), as transformers' argument.
     """
     base = decoder_stack(model)
     n_layers = len(base.layers)
@@ -60,7 +62,7 @@ def forward_capture(model, input_ids, layer_ids: Sequence[int], *, attention_mas
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                   past_key_values=past_key_values, use_cache=use_cache)
     try:
-        out = model(**kwargs) if compute_logits else base(**kwargs)
+        out = model(**kwargs, logits_to_keep=logits_to_keep) if compute_logits else base(**kwargs)
     finally:
         for h in handles:
             h.remove()

@@ -66,10 +66,11 @@ class SpecEngine:
             return None
         return self.draft if hasattr(self.draft, "propose") else EagleDrafter(self.draft, self.cfg)
 
-    def forward(self, ids, mask, pos, cache, drafter):
-        """-> (logits [B,T,V], aux [B,T,3H] | None); `cache` is updated in place. Features only when
-        a draft consumes them."""
-        kw = dict(attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+    def forward(self, ids, mask, pos, cache, drafter, logits_to_keep: int = 0):
+        """-> (logits [B,T,V] (the last logits_to_keep positions' if > 0), aux [B,T,3H] | None);
+        `cache` is updated in place. Features only when a draft consumes them."""
+        kw = dict(attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
+                  logits_to_keep=logits_to_keep)
         if drafter is None:
             return self.model(input_ids=ids, **kw).logits, None
         out = forward_capture(self.model, ids, self.layer_ids, **kw)
