@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from eagle3_platform.draft.model import Eagle3Draft, repeat_kv
+from eagle3_platform.spec.sampling import greedy
 
 STEP_WEIGHT_DECAY = 0.8   # loss weight of step k is 0.8**k (EAGLE-3 / SpecForge)
 TEACHER_CHUNK = 1024      # rows of last_hidden per full-vocab teacher matmul (bounds memory)
@@ -75,7 +76,7 @@ def teacher(last_hidden: torch.Tensor, target_lm_head: torch.Tensor, draft_to_ta
     for i in range(0, flat.shape[0], TEACHER_CHUNK):
         z = flat[i:i + TEACHER_CHUNK] @ W.T                          # [c,V]
         r = rows[i:i + TEACHER_CHUNK]
-        ok[r] = in_vocab[z.argmax(-1)]
+        ok[r] = in_vocab[greedy(z)]
         logp[r] = torch.log_softmax(z[:, draft_to_target].float(), -1)  # [c,Vd] renormalised over Vd
     return logp.view(B, T, -1), ok.view(B, T)
 
@@ -170,7 +171,7 @@ def step_terms(k: int, h: torch.Tensor, logits_fn, teacher_logp: torch.Tensor, m
     tgt = teacher_logp[b, t + 1 + k]                                   # [n,Vd] teacher at t+1+k
     logp = torch.log_softmax(logits.float(), -1)
     ce = -(tgt.exp() * logp).sum(-1)                                   # [n]
-    return ce, logits.argmax(-1) == tgt.argmax(-1)
+    return ce, greedy(logits) == greedy(tgt)
 
 
 class TTTLoss(nn.Module):

@@ -31,9 +31,10 @@ def verify_greedy(tree: Tree, logits: torch.Tensor) -> tuple[list[int], int]:
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """[..., V] -> [...] argmax. Through fp32: the same index (bf16 -> fp32 is exact, first max wins),
-    and torch's bf16 argmax is ~6x slower on CPU (0.87 vs 0.16 ms for 5 x 49152)."""
-    return logits.float().argmax(dim=-1)
+    """[..., V] -> [...] argmax (the first index of the maximum, as argmax). Through max(): torch's
+    bf16 argmax is ~6x slower on CPU, and max() needs no fp32 copy (1 thread, bf16 x 49152:
+    5 rows 0.84 / 0.16 / 0.14 ms argmax / fp32 argmax / max; 1024 rows 176 / 119 / 31 ms)."""
+    return logits.max(dim=-1).indices
 
 
 def target_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
