@@ -27,8 +27,10 @@ if TYPE_CHECKING:
 PRESET_NAMES = ("tiny", "demo", "cpu", "full")
 DEFAULT_PRESET = "demo"
 # tiny runs on a random target, where drafting shape matters less than test speed.
-# The embedded CPU server drafts adaptively (spec/config.py); `full` targets SGLang's fixed chain.
-SPEC_FOR_PRESET = {"tiny": "tiny", "demo": "chain_adaptive", "cpu": "chain_adaptive", "full": "chain"}
+# The embedded CPU server drafts adaptively with a prompt-lookup branch beside the head (spec/config.py,
+# spec/lookup.py); `full` targets SGLang's fixed chain.
+SPEC_FOR_PRESET = {"tiny": "tiny", "demo": "chain_adaptive_lookup", "cpu": "chain_adaptive_lookup",
+                   "full": "chain"}
 
 
 @dataclass(frozen=True)

@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", required=True)
     ap.add_argument("--draft", default=None, help="exported EAGLE-3 head (omit: plain decoding only)")
-    ap.add_argument("--spec", default="chain_adaptive")
+    ap.add_argument("--spec", default="chain_adaptive_lookup", help="spec preset (the cpu servers')")
     ap.add_argument("--batch-sizes", default="1,2,4,8,16")
     ap.add_argument("--prompts", type=int, default=16, help="held-out MT-bench prompts (cycled)")
     ap.add_argument("--max-new", type=int, default=64)

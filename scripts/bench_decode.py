@@ -7,6 +7,7 @@ Methods, interleaved per prompt within every repeat so machine-load drift hits a
   engine_baseline   SpecEngine without a draft (plain KV-cached decoding through the engine)
   eagle3_chain      SpecEngine + EAGLE-3 head, `chain` preset      (needs --draft)
   eagle3_tree       SpecEngine + EAGLE-3 head, `tree` preset       (needs --draft)
+  eagle3_X_lookupN  the same + a prompt-lookup branch of up to N tokens (--lookup-tokens N ...)
   oracle_chain      SpecEngine + a drafter that always proposes the engine's own greedy continuation
                     (chain, depth 4, zero draft cost): the ceiling of the verify machinery (τ = 5)
 Reported per method: median over repeats of (Σ tokens / Σ seconds over the prompts), the median of
@@ -117,6 +118,9 @@ def build_methods(target, draft, args, refs: dict, bf16_target=None) -> dict:
             if args.min_draft_prob is not None:
                 cfg = replace(cfg, min_draft_prob=args.min_draft_prob)
             methods[f"eagle3_{name}"] = engine_method(SpecEngine(target, draft, cfg))
+            for n in args.lookup_tokens:  # the head's tree + a prompt-lookup branch (spec/lookup.py)
+                methods[f"eagle3_{name}_lookup{n}"] = engine_method(
+                    SpecEngine(target, draft, replace(cfg, lookup_tokens=n)))
     if args.oracle:
         methods["oracle_chain"] = oracle_method(target, refs)
     return methods
@@ -259,6 +263,8 @@ def main(argv=None) -> int:
     ap.add_argument("--min-draft-prob", type=float, default=None,
                     help="adaptive draft size for the eagle3 rows (default: each spec preset's)")
     ap.add_argument("--prompt-lookup-tokens", type=int, default=10)
+    ap.add_argument("--lookup-tokens", type=int, nargs="*", default=[],
+                    help="also run each eagle3 row with a prompt-lookup branch of this many tokens")
     ap.add_argument("--oracle", action="store_true", help="add the oracle_chain ceiling row")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

@@ -16,7 +16,8 @@ def add_commands(sub) -> None:
     p.add_argument("--port", type=int, default=None, help="port (0 = pick a free one)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (default: $EAGLE3_API_KEY if set)")
-    p.add_argument("--spec", default="chain", help="speculative preset: chain | chain_adaptive | tree | tiny")
+    p.add_argument("--spec", default="chain",
+                   help="speculative preset: chain | chain_adaptive | chain_adaptive_lookup | tree | tiny")
     p.add_argument("--preset", default="demo", choices=sorted(PRESETS), help="server limits preset")
     p.add_argument("--max-tokens", type=int, default=None, help="server bound on max_tokens")
     p.add_argument("--max-queue", type=int, default=None, help="queued+running requests bound")

@@ -22,12 +22,19 @@ class SpecConfig:
     # itself doubts costs a draft step and a wider verify for little expected gain; a step whose first
     # node is doubted verifies the root alone (plain decoding). Output is unchanged: verification is.
     min_draft_prob: float = 0.0
+    # Prompt lookup beside the head (lookup.py; the embedded engine only, not an SGLang flag): up to
+    # lookup_tokens tokens that followed the latest earlier occurrence of the last lookup_ngram (or
+    # fewer) tokens join the tree as one more branch. 0 = the head's tree alone.
+    lookup_tokens: int = 0
+    lookup_ngram: int = 3
 
     def __post_init__(self):
         if self.num_steps < 0 or self.eagle_topk < 0 or self.num_draft_tokens < 1:
             raise ValueError(f"invalid speculative settings: {self}")
         if self.speculative and (self.num_steps < 1 or self.eagle_topk < 1):
             raise ValueError("a draft tree needs num_steps >= 1 and eagle_topk >= 1")
+        if self.lookup_tokens < 0 or self.lookup_ngram < 1:
+            raise ValueError(f"need lookup_tokens >= 0 and lookup_ngram >= 1: {self}")
         if not 0.0 <= self.min_draft_prob < 1.0:
             raise ValueError(f"min_draft_prob must be in [0, 1), not {self.min_draft_prob}")
         if self.eagle_topk == 1 and self.num_draft_tokens > self.num_steps + 1:
@@ -52,6 +59,10 @@ PRESETS: dict[str, SpecConfig] = {
     # verified. Demo head, bf16, held-out MT-bench (scripts/bench_decode.py): 0.90x -> 1.00x of HF greedy,
     # step 1.35x -> 1.14x of a decode step, tau 1.24 -> 1.19. SGLang gets the same three ints.
     "chain_adaptive": SpecConfig(num_steps=4, eagle_topk=1, num_draft_tokens=5, min_draft_prob=0.1),
+    # chain_adaptive + a prompt-lookup branch of up to 8 tokens (spec/lookup.py): a small target often
+    # continues what it or the prompt already said.
+    "chain_adaptive_lookup": SpecConfig(num_steps=4, eagle_topk=1, num_draft_tokens=5, min_draft_prob=0.1,
+                                        lookup_tokens=8),
     # EAGLE-2 style tree: top-4 per step, depth 4, keep the 11 best nodes by cumulative log-prob
     # (+ root = 12 tokens; a 12-16 token verify costs ~1.6x a 1-token forward on the 2-core CPU).
     "tree": SpecConfig(num_steps=4, eagle_topk=4, num_draft_tokens=12),

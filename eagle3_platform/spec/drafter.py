@@ -148,12 +148,16 @@ def draft_budget(cfg: SpecConfig, max_tokens: int | None) -> int:
 
 def propose_all(drafters: list, roots: list[int], max_tokens: int | None) -> list[Tree]:
     """Drafts for the rows of a batch: chains of EagleDrafters sharing a head run as one batched
-    draft forward per depth; anything else (trees, test drafters) drafts row by row."""
-    first = drafters[0] if drafters else None
-    if len(drafters) > 1 and all(isinstance(d, EagleDrafter) and d.cfg.eagle_topk == 1
-                                 and d.draft is first.draft and d.cfg == first.cfg for d in drafters):
-        return propose_chains(drafters, roots, draft_budget(first.cfg, max_tokens))
-    return [d.propose(r, max_tokens) for d, r in zip(drafters, roots)]
+    draft forward per depth; anything else (trees, test drafters) drafts row by row. A drafter with a
+    lookup branch (lookup.py) drafts its head's tree here and adds the branch after."""
+    heads = [getattr(d, "head", d) for d in drafters]
+    first = heads[0] if heads else None
+    if len(heads) > 1 and all(isinstance(d, EagleDrafter) and d.cfg.eagle_topk == 1
+                              and d.draft is first.draft and d.cfg == first.cfg for d in heads):
+        trees = propose_chains(heads, roots, draft_budget(first.cfg, max_tokens))
+    else:
+        trees = [h.propose(r, max_tokens) for h, r in zip(heads, roots)]
+    return [d.extend(t, max_tokens) if d is not h else t for d, h, t in zip(drafters, heads, trees)]
 
 
 @torch.no_grad()

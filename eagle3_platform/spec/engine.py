@@ -18,6 +18,7 @@ from eagle3_platform.features.capture import forward_capture
 from eagle3_platform.spec.batch import Batch
 from eagle3_platform.spec.config import PRESETS, SpecConfig
 from eagle3_platform.spec.drafter import EagleDrafter
+from eagle3_platform.spec.lookup import LookupDrafter
 
 
 class SpecEngine:
@@ -64,7 +65,12 @@ class SpecEngine:
     def make_drafter(self):
         if self.draft is None:
             return None
-        return self.draft if hasattr(self.draft, "propose") else EagleDrafter(self.draft, self.cfg)
+        if hasattr(self.draft, "propose"):
+            return self.draft
+        head = EagleDrafter(self.draft, self.cfg)
+        if self.cfg.lookup_tokens:
+            return LookupDrafter(head, self.cfg.lookup_tokens, self.cfg.lookup_ngram)
+        return head
 
     def forward(self, ids, mask, pos, cache, drafter, logits_to_keep: int = 0):
         """-> (logits [B,T,V] (the last logits_to_keep positions' if > 0), aux [B,T,3H] | None);

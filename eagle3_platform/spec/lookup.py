@@ -1,0 +1,84 @@
+"""Prompt lookup beside the EAGLE-3 head: an n-gram continuation from the request's own tokens, drafted
+as one more branch of the verify tree.
+
+A small target repeats itself and its prompt (code, quoted text, lists), and there the next tokens
+are often a copy of what followed the last occurrence of the current n-gram. That costs no forward:
+the tail of the sequence (the pending root included) is matched against the earlier tokens, longest
+n-gram first (lookup_ngram down to 1), latest occurrence first, and the tokens that followed become
+a chain hung under the root. Where its first tokens agree with the head's tree it shares those nodes.
+Verification is unchanged (sampling.py), so output is too: greedy output equals target greedy
+decoding whatever either drafter proposes; the branch only adds verify width (in bf16 on CPU, 5 more
+query tokens cost about as much as one).
+
+This is the embedded engine's addition (SGLang's EAGLE-3 worker has no lookup branch; its NGRAM
+algorithm is a separate drafter), so reports name it apart from the head's own acceptance.
+"""
+from __future__ import annotations
+
+import torch
+
+from eagle3_platform.spec.tree import Tree
+
+
+def lookup(history: list[int], max_tokens: int, max_ngram: int) -> list[int]:
+    """Tokens that followed the latest earlier occurrence of history's last n tokens (n = max_ngram
+    down to 1; the first n that matches wins) -> up to max_tokens ids, [] when nothing matches."""
+    if max_tokens < 1 or len(history) < 2:
+        return []
+    seq = torch.tensor(history)
+    for n in range(min(max_ngram, len(history) - 1), 0, -1):
+        windows = seq[:-1].unfold(0, n, 1)  # [L-n, n]: every n-gram that has a successor in history
+        hits = (windows == seq[-n:]).all(dim=1).nonzero()[:, 0]
+        if hits.numel():
+            start = int(hits[-1]) + n  # the latest occurrence: recent text predicts best
+            return history[start:start + max_tokens]
+    return []
+
+
+def graft(tree: Tree, chain: list[int]) -> Tree:
+    """tree + chain hung under the root: follows existing nodes while their tokens agree, then appends
+    the rest as new nodes (parents precede children, as Tree requires)."""
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    kids = tree.children()
+    node = 0
+    for i, tok in enumerate(chain):
+        same = next((c for c in kids[node] if tokens[c] == tok), None)
+        if same is None:
+            for t in chain[i:]:
+                tokens.append(t)
+                parents.append(node)
+                node = len(tokens) - 1
+            break
+        node = same
+    return Tree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+
+
+class LookupDrafter:
+    """An EAGLE drafter plus a prompt-lookup branch. Keeps the request's tokens (x_1 .. pending root:
+    what prefill and commit hand every drafter) and forwards everything else to the head's drafter."""
+
+    def __init__(self, head, max_tokens: int, max_ngram: int):
+        self.head, self.max_tokens, self.max_ngram = head, max_tokens, max_ngram
+        self.history: list[int] = []
+        self.last_lookup = 0  # tokens the last proposal's lookup branch held
+
+    def prefill(self, aux, next_tokens):
+        self.history = next_tokens.tolist()
+        self.head.prefill(aux, next_tokens)
+
+    def commit(self, aux, next_tokens):
+        self.history += next_tokens.tolist()
+        self.head.commit(aux, next_tokens)
+
+    def catch_up(self) -> None:
+        self.head.catch_up()
+
+    def propose(self, root: int, max_tokens: int | None = None) -> Tree:
+        return self.extend(self.head.propose(root, max_tokens), max_tokens)
+
+    def extend(self, tree: Tree, max_tokens: int | None = None) -> Tree:
+        """The head's tree + the lookup branch (at most max_tokens lookup tokens, when given)."""
+        cap = self.max_tokens if max_tokens is None else min(self.max_tokens, max_tokens)
+        chain = lookup(self.history, cap, self.max_ngram)
+        self.last_lookup = len(chain)
+        return graft(tree, chain) if chain else tree

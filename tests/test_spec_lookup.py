@@ -1,0 +1,136 @@
+"""The prompt-lookup branch beside the EAGLE-3 head: n-gram matching, grafting onto the head's tree,
+and greedy losslessness alone and in a continuous batch (fp32, tiny target)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from eagle3_platform.spec.config import PRESETS, SpecConfig
+from eagle3_platform.spec.engine import SpecEngine
+from eagle3_platform.spec.lookup import LookupDrafter, graft, lookup
+from eagle3_platform.spec.tree import Tree
+from eagle3_platform.testing.spec import VariedTargetConfig, random_draft, varied_target
+from tests.test_spec_batch import LONG, _drive
+from tests.test_spec_engine import MAX_NEW, PROMPTS, _ids, hf_greedy
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def test_lookup_takes_the_latest_occurrence_of_the_longest_ngram():
+    #          0  1  2  3  4  5  6  7  8  9 10
+    history = [5, 6, 7, 1, 9, 6, 7, 2, 3, 6, 7]
+    assert lookup(history, 3, max_ngram=2) == [2, 3, 6]  # "6 7" last seen at 5-6, not at 1-2
+    assert lookup(history, 8, max_ngram=2) == [2, 3, 6, 7]  # cut at the end of what is known
+    assert lookup(history, 2, max_ngram=3) == [2, 3]  # "3 6 7" never occurred before: "6 7" did
+    assert lookup([4, 1, 2, 4], 2, max_ngram=3) == [1, 2]  # falls back to a single token
+    assert lookup([1, 2, 3], 4, max_ngram=3) == []  # 3 never occurred before
+    assert lookup([7], 4, max_ngram=3) == [] and lookup([7, 7], 0, max_ngram=3) == []
+    assert lookup([7, 7], 4, max_ngram=3) == [7]
+
+
+def test_graft_shares_the_agreeing_prefix_and_appends_the_rest():
+    #   root 10 ── 11 ── 12        (the head's chain)
+    tree = Tree(torch.tensor([10, 11, 12]), torch.tensor([-1, 0, 1]))
+    g = graft(tree, [11, 13, 14])
+    assert g.tokens.tolist() == [10, 11, 12, 13, 14] and g.parents.tolist() == [-1, 0, 1, 1, 3]
+    g = graft(tree, [20, 21])  # disagrees at once: a second branch under the root
+    assert g.tokens.tolist() == [10, 11, 12, 20, 21] and g.parents.tolist() == [-1, 0, 1, 0, 3]
+    g = graft(tree, [11, 12])  # already drafted by the head: nothing added
+    assert g.tokens.tolist() == [10, 11, 12] and g.parents.tolist() == [-1, 0, 1]
+    g = graft(Tree(torch.tensor([10]), torch.tensor([-1])), [1, 2])  # the head drafted nothing
+    assert g.tokens.tolist() == [10, 1, 2] and g.parents.tolist() == [-1, 0, 1]
+
+
+def test_config_rejects_bad_lookup_settings():
+    with pytest.raises(ValueError):
+        SpecConfig(lookup_tokens=-1)
+    with pytest.raises(ValueError):
+        SpecConfig(lookup_ngram=0)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target):
+    """A tiny Llama whose greedy output falls into short loops and leaves them: a 1-token lookup is
+    right for 55 of the 80 tokens these prompts generate, wrong for the rest. Its top-2 logits stay
+    >= 2e-3 apart along them (no near-tie for fp32 rounding to flip)."""
+    return varied_target(tiny_target, VariedTargetConfig(initializer_range=0.06, seed=1))
+
+
+@pytest.fixture(scope="module")
+def refs(target):
+    eos = SpecEngine(target, None, PRESETS["baseline"]).eos_ids
+    return {p: hf_greedy(target, _ids(target, p), MAX_NEW, eos) for p in PROMPTS + [LONG]}
+
+
+class CountingLookup(LookupDrafter):
+    """Counts the lookup tokens proposed, so a test knows the branch was exercised."""
+    proposed = 0
+
+    def extend(self, tree, max_tokens=None):
+        out = super().extend(tree, max_tokens)
+        CountingLookup.proposed += self.last_lookup
+        return out
+
+
+@pytest.mark.parametrize("preset", ["chain", "chain_adaptive", "tree"])
+def test_lookup_branch_is_lossless_alone_and_in_a_batch(target, refs, preset):
+    """Greedy output equals target greedy decoding with the branch on, for a request alone and for
+    staggered requests in a continuous batch; the branch was proposed and some of it accepted."""
+    cfg = replace(PRESETS[preset], lookup_tokens=6)
+    engine = SpecEngine(target, random_draft(target, 64), cfg)
+    make_head = engine.make_drafter
+    engine.make_drafter = lambda: CountingLookup(make_head().head, cfg.lookup_tokens, cfg.lookup_ngram)
+    CountingLookup.proposed = 0
+    order = PROMPTS + [LONG]
+    accepted = 0
+    for p in order:
+        out, stats = engine.generate(_ids(target, p), MAX_NEW)
+        assert out == refs[p], (preset, p)
+        accepted += sum((k - 1) * v for k, v in stats["accept_hist"].items())
+    assert CountingLookup.proposed > 0 and accepted > 0
+    max_new = [MAX_NEW, 7, MAX_NEW, 11]
+    out = _drive(engine, [_ids(target, p) for p in order], max_new)
+    for i, p in enumerate(order):
+        assert out[i] == refs[p][:max_new[i]], (preset, i)
+
+
+def test_server_cap_limits_the_lookup_branch_too(target, refs):
+    """A step capped at k draft tokens verifies at most k lookup tokens (k = 0: plain decoding)."""
+    cfg = replace(PRESETS["chain"], lookup_tokens=8)
+    engine = SpecEngine(target, random_draft(target, 64), cfg)
+    batch = engine.batch()
+    reqs = [batch.open(_ids(target, p), MAX_NEW) for p in PROMPTS]
+    out = {r: batch.prefill(r, None) for r in reqs}
+    for cap in [0, 1, 2, 0, 3] * 20:
+        if not batch.rows:
+            break
+        for r, toks in batch.step(max_draft_tokens=cap):
+            out[r] += toks
+            assert r.last_accepted <= cap  # a path runs down one branch: at most cap deep
+            if cap:  # (cap 0 verifies the root alone without asking any drafter)
+                assert r.drafter.last_lookup <= cap
+        for r in [r for r in batch.rows if r.done]:
+            batch.close(r)
+    for r, p in zip(reqs, PROMPTS):
+        assert out[r] == refs[p]
+
+
+def test_sampling_with_the_lookup_branch_keeps_the_target_distribution():
+    """T > 0: the joint law of the first 4 tokens (V = 4, so lookups match often, right or wrong) is
+    the target's exact law with a random head's tree plus the lookup branch."""
+    from tests.test_spec_sampling import P_MIN, chi_square_pvalue, exact_sequence_probs
+
+    vocab, length, n, temperature = 4, 4, 800, 0.7
+    target = varied_target(None, VariedTargetConfig(num_hidden_layers=2, vocab_size=vocab, seed=1,
+                                                    initializer_range=0.08))
+    cfg = SpecConfig(3, 2, 6, lookup_tokens=3, lookup_ngram=2)
+    engine = SpecEngine(target, random_draft(target, vocab, seed=2), cfg)
+    prompt = [0, 3, 1, 2, 1, 0, 3]
+    counts = torch.zeros(vocab ** length)
+    for seed in range(n):
+        out, _ = engine.generate(prompt, length, temperature=temperature, seed=seed)
+        counts[int(sum(t * vocab ** (length - 1 - i) for i, t in enumerate(out)))] += 1
+    probs = exact_sequence_probs(target.model, prompt, length, vocab, temperature)
+    assert chi_square_pvalue(counts, probs) > P_MIN
