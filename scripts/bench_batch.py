@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     prompts = [render_prompt(target.tokenizer, first_turn(r)) for r in mtbench_prompts(a.prompts)]
     sizes = [int(s) for s in a.batch_sizes.split(",")]
     fixed = [int(k) for k in a.fixed.split(",") if k]
-    policy = DraftSizePolicy(eagle.cfg.max_draft_nodes) if eagle else None  # learns across cells
+    policy = DraftSizePolicy(eagle.cfg.num_draft_tokens - 1) if eagle else None  # learns across cells
     run_engine(base, prompts[:2], 8)  # warm-up
     rows = []
     for B in sizes:

@@ -342,7 +342,7 @@ def draft_size_policy(engine, cfg: ServeConfig) -> DraftSizePolicy | None:
     spec = getattr(engine, "cfg", None)
     if not cfg.adaptive_draft or getattr(engine, "draft", None) is None or spec is None:
         return None
-    return DraftSizePolicy(spec.max_draft_nodes)
+    return DraftSizePolicy(spec.num_draft_tokens - 1)
 
 
 def build_app(engine, tokenizer, cfg: ServeConfig | None = None, *, model_name: str = "eagle3",

@@ -46,12 +46,6 @@ class SpecConfig:
         """num_draft_tokens == 1 means only the root is verified: plain decoding."""
         return self.num_draft_tokens > 1
 
-    @property
-    def max_draft_nodes(self) -> int:
-        """The most draft tokens a step verifies per sequence: the head's tree + the lookup branch
-        (a server's per-step draft size ranges over 0..this)."""
-        return self.num_draft_tokens - 1 + self.lookup_tokens
-
     def to_dict(self) -> dict:
         return asdict(self)
 
