@@ -37,6 +37,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from eagle3_platform.compute import has_native_bf16  # noqa: E402
 from eagle3_platform.data.chat import render_prompt  # noqa: E402
+from eagle3_platform.data.local_gen import common_prefix  # noqa: E402
 from eagle3_platform.draft.metrics import acceptance_length  # noqa: E402
 from eagle3_platform.spec.config import PRESETS, get_preset  # noqa: E402
 from eagle3_platform.spec.engine import SpecEngine  # noqa: E402
@@ -180,13 +181,6 @@ def _write(path, obj) -> None:
     tmp = Path(str(path) + ".tmp")
     tmp.write_text(json.dumps(obj, indent=2))
     os.replace(tmp, path)
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def summarise(rows: list[dict], names: list[str], repeats: int, agreement: dict | None = None) -> dict:
