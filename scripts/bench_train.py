@@ -60,20 +60,20 @@ class Case:
 
     def targets(self, K):
         need = shift_left(self.loss_mask, 1, fill=False)
-        tlogp, in_vocab = teacher(self.last, self.lm_head, self.d2t_ids, need)
+        tprobs, in_vocab = teacher(self.last, self.lm_head, self.d2t_ids, need)
         masks = step_masks(self.loss_mask, need, K)  # every response prediction supervised
-        return tlogp, masks, torch.stack([m.sum() for m in masks])
+        return tprobs, masks, torch.stack([m.sum() for m in masks])
 
     def fwd_bwd(self, K, attention=ttt_attention):
-        tlogp, masks, denom = self.fixed[K]
-        loss, _, _ = TTTLoss(self.draft, K, attention)(self.aux, self.ids, tlogp, masks, denom)
+        tprobs, masks, denom = self.fixed[K]
+        loss, _, _ = TTTLoss(self.draft, K, attention)(self.aux, self.ids, tprobs, masks, denom)
         loss.backward()
         self.draft.zero_grad(set_to_none=True)
 
     def full_step(self, dtype: str = "float32"):
         with autocast(dtype):  # as draft/train.py: teacher and head forward under autocast
-            tlogp, masks, denom = self.targets(self.K)
-            loss, _, _ = TTTLoss(self.draft, self.K)(self.aux, self.ids, tlogp, masks, denom)
+            tprobs, masks, denom = self.targets(self.K)
+            loss, _, _ = TTTLoss(self.draft, self.K)(self.aux, self.ids, tprobs, masks, denom)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, 0.5)

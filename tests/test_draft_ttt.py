@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from eagle3_platform.draft.model import DraftConfig, build_draft, target_hf_config
-from eagle3_platform.draft.ttt import (TTTLoss, batch_targets, collate, naive_ttt_attention, step_masks,
-                                       step_terms, teacher, ttt_attention, ttt_forward)
+from eagle3_platform.draft.ttt import (TTTLoss, batch_targets, blockwise_ttt_attention, collate,
+                                       fused_ttt_attention, naive_ttt_attention, soft_cross_entropy,
+                                       step_masks, step_terms, teacher, ttt_attention, ttt_forward)
 
 # hand-made sequence: prompt x0..x3 (loss_mask 0), response x4..x9 (loss_mask 1); r = 4
 T, R = 10, 4
@@ -55,14 +56,14 @@ def test_inputs_and_rope_positions_per_step(draft, monkeypatch):
 def test_teacher_position_per_step(k):
     Vd = 16
     # teacher at position p is peaked on draft token p; draft logits at t peaked on token t+1+k
-    tlogp = torch.log_softmax(20 * torch.eye(Vd)[:T][None], -1)                     # [1,T,Vd]
+    tprobs = torch.softmax(20 * torch.eye(Vd)[:T][None], -1)                        # [1,T,Vd]
     logits = 20 * torch.eye(Vd)[[min(t + 1 + k, Vd - 1) for t in range(T)]][None]
     mask = torch.zeros(1, T, dtype=torch.bool)
     mask[0, :T - 1 - k] = True                                                      # teacher exists
-    ce, hit = step_terms(k, logits, lambda x: x, tlogp, mask)
+    ce, hit = step_terms(k, logits, lambda x: x, tprobs, mask)
     assert hit.shape == (T - 1 - k,) and hit.all() and ce.max() < 1e-3
     mask[0, T - 2 - k] = False
-    ce_wrong, hit_wrong = step_terms(k + 1, logits, lambda x: x, tlogp, mask)       # off by one
+    ce_wrong, hit_wrong = step_terms(k + 1, logits, lambda x: x, tprobs, mask)      # off by one
     assert not hit_wrong.any() and ce_wrong.min() > 1
 
 
@@ -70,23 +71,24 @@ def test_teacher_is_target_distribution_renormalised_over_draft_vocab():
     torch.manual_seed(0)
     W, s = torch.randn(30, 8), torch.randn(1, 5, 8)
     d2t_ids = torch.tensor([1, 4, 7, 20])
-    logp, ok = teacher(s, W, d2t_ids)
+    probs, ok = teacher(s, W, d2t_ids)
     full = torch.softmax(s @ W.T, -1)[..., d2t_ids]
-    torch.testing.assert_close(logp.exp(), full / full.sum(-1, keepdim=True))
+    torch.testing.assert_close(probs, full / full.sum(-1, keepdim=True))
     assert ok.tolist() == torch.isin((s @ W.T).argmax(-1), d2t_ids).tolist()
     need = torch.tensor([[True, False, True, True, False]])
-    logp2, ok2 = teacher(s, W, d2t_ids, need)
+    probs2, ok2 = teacher(s, W, d2t_ids, need)
     # a [3,8] @ [8,30] matmul need not round bitwise like the [5,8] one (it differs on some CPUs)
-    torch.testing.assert_close(logp2[need], logp[need], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(probs2[need], probs[need], atol=1e-6, rtol=1e-5)
     assert torch.equal(ok2[need], ok[need]) and not ok2[~need].any()
 
 
+@pytest.mark.parametrize("attention", [blockwise_ttt_attention, fused_ttt_attention, ttt_attention])
 @pytest.mark.parametrize("K", [1, 2, 3, 4])
-def test_single_pass_attention_equals_naive_reference(draft, K):
+def test_single_pass_attention_equals_naive_reference(draft, K, attention):
     torch.manual_seed(K)
     B, H = 2, draft.cfg.hidden_size
     ids, g = torch.randint(0, 400, (B, 11)), torch.randn(B, 11, 3 * H)
-    fast = [lg for _, lg in ttt_forward(draft, g, ids, K, ttt_attention)]
+    fast = [lg for _, lg in ttt_forward(draft, g, ids, K, attention)]
     ref = [lg for _, lg in ttt_forward(draft, g, ids, K, naive_ttt_attention)]
     for a, b in zip(fast, ref):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
@@ -94,6 +96,41 @@ def test_single_pass_attention_equals_naive_reference(draft, K):
     ga = torch.autograd.grad(sum(x.square().mean() for x in fast), draft.fc.weight)[0]
     gb = torch.autograd.grad(sum(x.square().mean() for x in ref), draft.fc.weight)[0]
     torch.testing.assert_close(ga, gb, atol=1e-5, rtol=1e-4)
+
+
+def test_ttt_attention_takes_the_fused_kernel_on_long_sequences(monkeypatch):
+    import eagle3_platform.draft.ttt as ttt
+
+    called = []
+    monkeypatch.setattr(ttt, "fused_ttt_attention", lambda q, ks, vs: called.append(q.shape[2]) or q)
+    monkeypatch.setattr(ttt, "FUSED_MIN_LEN", 8)
+    for T in (7, 8):
+        q = torch.randn(1, 2, T, 4)
+        ttt.ttt_attention(q, [q, q], [q, q])
+    assert called == [8]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_soft_cross_entropy_equals_log_softmax_reference(dtype, tol):
+    torch.manual_seed(0)
+    x = (torch.randn(6, 50) * 4).to(dtype).requires_grad_()
+    p = torch.softmax(torch.randn(6, 50) * 3, -1)
+    g = torch.rand(6)
+    ref = -(p * torch.log_softmax(x.float(), -1)).sum(-1)
+    (ref_grad,) = torch.autograd.grad(ref, x, g)
+    ce = soft_cross_entropy(x, p)
+    (grad,) = torch.autograd.grad(ce, x, g)
+    assert ce.dtype == torch.float32 and grad.dtype == dtype
+    torch.testing.assert_close(ce, ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(grad.float(), ref_grad.float(), atol=tol, rtol=tol)
+    assert x.grad is None and x.detach().abs().max() > 1    # the logits are left untouched
+
+
+def test_soft_cross_entropy_gradcheck():
+    torch.manual_seed(1)
+    x = torch.randn(3, 7, dtype=torch.float64, requires_grad=True)
+    p = torch.softmax(torch.randn(3, 7, dtype=torch.float64), -1)
+    assert torch.autograd.gradcheck(lambda x: soft_cross_entropy(x, p), (x,))
 
 
 @pytest.fixture(scope="module")
@@ -105,10 +142,10 @@ def lm_head(tiny_target_dir):
 
 def _loss(draft, lm_head, samples, K=3):
     batch = collate(samples)
-    tlogp, masks = batch_targets(batch, lm_head, draft, K)
+    tprobs, masks = batch_targets(batch, lm_head, draft, K)
     denom = torch.stack([m.sum() for m in masks])
     with torch.no_grad():
-        loss, _, n = TTTLoss(draft, K)(batch.aux_hidden, batch.input_ids, tlogp, masks, denom)
+        loss, _, n = TTTLoss(draft, K)(batch.aux_hidden, batch.input_ids, tprobs, masks, denom)
     return loss, n
 
 

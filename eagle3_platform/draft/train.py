@@ -235,11 +235,11 @@ def evaluate(draft: Eagle3Draft, ds, indices: list[int], lm_head: torch.Tensor, 
     lengths = [len(ds[i]["input_ids"]) for i in indices]
     for chunk in batch_plan(lengths, replace(cfg, epochs=1, max_steps=None)):
         batch = collate([ds[indices[i]] for i in chunk], cfg.max_len)
-        tlogp, masks = batch_targets(batch, lm_head, draft, K)
+        tprobs, masks = batch_targets(batch, lm_head, draft, K)
         all_resp = step_masks(batch.loss_mask, torch.ones_like(batch.loss_mask), K)
         denom = torch.stack([m.sum() for m in masks])
         with autocast(cfg.dtype):
-            loss, c, n = loss_fn(batch.aux_hidden, batch.input_ids, tlogp, masks, denom)
+            loss, c, n = loss_fn(batch.aux_hidden, batch.input_ids, tprobs, masks, denom)
         correct += c
         counted_iv += n
         counted += torch.stack([m.sum() for m in all_resp])
@@ -350,14 +350,14 @@ def _train_step(ddp, opt, params, ds, batch_idx, lm_head, draft, cfg: TrainConfi
     local = batch_idx[rank::world]
     batch = collate([ds[i] for i in (local or batch_idx[:1])], cfg.max_len)
     with autocast(cfg.dtype):  # the teacher's [n,V] matmul too; its log-softmax is fp32 (ttt.teacher)
-        tlogp, masks = batch_targets(batch, lm_head, draft, K)
+        tprobs, masks = batch_targets(batch, lm_head, draft, K)
     if not local:  # more ranks than samples: a zero-weight stand-in keeps DDP's collectives aligned
         masks = [torch.zeros_like(m) for m in masks]
     denom = all_sum(torch.stack([m.sum() for m in masks]))       # [K] global supervised counts
     for g in opt.param_groups:
         g["lr"] = lr
     with autocast(cfg.dtype):
-        loss, c, n = ddp(batch.aux_hidden, batch.input_ids, tlogp, masks, denom, float(world))
+        loss, c, n = ddp(batch.aux_hidden, batch.input_ids, tprobs, masks, denom, float(world))
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
