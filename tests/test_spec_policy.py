@@ -91,6 +91,22 @@ def test_a_neighbour_is_re_measured_so_the_choice_follows_the_machine():
     assert p.best(1) == 0 and chosen[-40:].count(0) >= 30  # the rest: re-measures of k = 1
 
 
+def test_re_measures_back_off_while_the_choice_holds_and_resume_when_it_changes():
+    """Plain decoding clearly best at batch 8 (a 2-core CPU): the periodic re-measure of k = 1 is a
+    losing step each time, so its period doubles (16, 32, ... 256 steps); when the choice changes the
+    re-measures come every 16 steps again."""
+    p = DraftSizePolicy(k_max=4, explore_every=16)
+    cost = lambda k: 0.04 * (1 + 1.5 * k)  # noqa: E731  (a 1-token draft: 2 tokens for 2.5x the cost)
+    chosen = _simulate(p, 8, cost, accept_depth=1, steps=1200)
+    assert p.best(8) == 0
+    assert chosen[-600:].count(0) >= 597  # at most 3 re-measures, not 600 / 16 = 37
+    assert p.info()["re_measure_gap_by_batch"] == {"8": 256}
+    # drafting became cheap (the batch shrank, the machine got quiet): back to short gaps, k follows
+    chosen = _simulate(p, 8, lambda k: 0.04 * (1 + 0.02 * k), accept_depth=4, steps=400)
+    assert p.best(8) >= 2 and chosen[-100:].count(p.best(8)) >= 80
+    assert p.info()["re_measure_gap_by_batch"]["8"] <= 256
+
+
 def test_a_new_batch_size_starts_from_its_neighbours_choice_not_a_full_draft():
     """The first steps at batch 16 must not verify 16 full drafts (5x the tokens of a decode step)
     when batch 8 already showed that plain decoding wins."""

@@ -18,9 +18,14 @@ its bucket, whatever its k, so wall-time noise averages out over all steps inste
 k, and the cost of a k never measured in the bucket is predicted rather than paid for.
 Exploration: a bucket seen for the first time starts from the best k of the nearest measured bucket
 (k_max on the very first step), then its neighbour, which gives the line two points; a size is only
-chosen within one of those measured in its bucket, so the range widens step by step. Every
-`explore_every` steps a neighbour of the best k is measured again, so the choice follows the load and
-the acceptance. A k is only left for one predicted to be `SWITCH_MARGIN` faster (no flapping on noise).
+chosen within one of those measured in its bucket, so the range widens step by step. A neighbour of
+the best k is measured again after `explore_every` steps of a bucket, so the choice follows the load
+and the acceptance. A neighbour predicted more than CLOSE_RATE slower doubles the wait before the next
+re-measure (up to MAX_EXPLORE_GAP steps); a change of choice resets it. Why back off: where one size
+clearly wins (plain decoding at batch 8 on 2 cores) every re-measure is a step at a losing size plus
+the head's catch-up over the steps it skipped, ~10% of throughput at a fixed 1 in 16
+(scripts/bench_batch.py); where sizes are close, a re-measure costs little and keeps the line honest.
+A k is only left for one predicted to be `SWITCH_MARGIN` faster (no flapping on noise).
 """
 from __future__ import annotations
 
@@ -28,6 +33,8 @@ from collections import Counter
 
 EMA = 0.1  # weight of a new step in the running means (acceptance and the cost lines)
 SWITCH_MARGIN = 0.02  # leave the current k only for a predicted gain above 2%
+MAX_EXPLORE_GAP = 256  # steps of a bucket between re-measures once its choice has held for a while
+CLOSE_RATE = 0.1  # a neighbour predicted within 10% of the best is re-measured at the base rate
 
 
 class CostLine:
@@ -73,23 +80,39 @@ class DraftSizePolicy:
         self.current: int | None = None
         self._incumbent: dict[int, int] = {}  # B bucket -> its chosen k (re-measures aside)
         self._depth_steps: dict[int, int] = {}  # d -> steps that measured depth d (+1 pseudo-step)
-        self._steps = 0
+        self._steps: Counter = Counter()  # B bucket -> steps chosen for it
+        self._gap: dict[int, int] = {}  # B bucket -> steps between its re-measures
+        self._next_explore: dict[int, int] = {}  # B bucket -> its step count at the next re-measure
+        self._re_measures: Counter = Counter()  # B bucket -> neighbours re-measured so far
 
     def choose(self, batch_size: int) -> int:
-        self._steps += 1
         b = _bucket(batch_size)
+        self._steps[b] += 1
         line = self.lines.get(b)
         if line is None:  # a new bucket: what its nearest measured neighbour does best
             k = self._nearest_best(b)
         elif not line.ready:  # one k measured here: its neighbour gives the line a second point
             k = line.k_lo - 1 if line.k_lo > 0 else min(1, self.k_max)
         else:
-            k = self._incumbent[b] = self.best(batch_size)
-            if self._steps % self.explore_every == 0:  # re-measure a neighbour, alternating sides
-                side = 1 if (self._steps // self.explore_every) % 2 else -1
-                k = min(self.k_max, max(0, k + side))
+            k = self._best_or_re_measure(b, batch_size)
         self.current = k
         return k
+
+    def _best_or_re_measure(self, b: int, batch_size: int) -> int:
+        k, n = self.best(batch_size), self._steps[b]
+        if k != self._incumbent.get(b):  # a new choice: re-measure its neighbours soon
+            self._incumbent[b], self._gap[b] = k, self.explore_every
+            self._next_explore[b] = n + self.explore_every
+        if n < self._next_explore[b]:
+            return k
+        self._re_measures[b] += 1
+        side = 1 if self._re_measures[b] % 2 else -1  # alternate sides, the longer draft first
+        side = 1 if k == 0 else -1 if k == self.k_max else side  # at an end: its one neighbour
+        other, rates = min(self.k_max, max(0, k + side)), self.rates(batch_size)
+        if rates.get(other, 0.0) < rates[k] * (1 - CLOSE_RATE):  # clearly worse: wait longer next time
+            self._gap[b] = min(2 * self._gap[b], MAX_EXPLORE_GAP)
+        self._next_explore[b] = n + self._gap[b]
+        return other
 
     def accepted(self, k: int) -> float:
         """a(k): expected accepted draft tokens per sequence at draft size k (unknown depths: 1)."""
@@ -136,12 +159,14 @@ class DraftSizePolicy:
         # thread reads them
         hist, accept = dict(self.hist), dict(self.depth_accept)
         lines = {b: line for b, line in dict(self.lines).items() if line.ready}
+        gaps = dict(self._gap)
         return {"draft_size_current": self.current,
                 "draft_size_hist": {str(k): n for k, n in sorted(hist.items())},
                 "draft_size_by_batch": {str(b): self.best(b, lines) for b in sorted(lines)},
                 "step_cost_ms_by_batch": {str(b): [round(1e3 * c, 3) for c in lines[b].coef()]
                                           for b in sorted(lines)},
-                "accept_rate_by_depth": {str(d): round(g, 3) for d, g in sorted(accept.items())}}
+                "accept_rate_by_depth": {str(d): round(g, 3) for d, g in sorted(accept.items())},
+                "re_measure_gap_by_batch": {str(b): g for b, g in sorted(gaps.items())}}
 
     def _nearest_best(self, bucket: int) -> int:
         measured = [b for b, line in self.lines.items() if line.ready]
