@@ -349,7 +349,7 @@ def _train_step(ddp, opt, params, ds, batch_idx, lm_head, draft, cfg: TrainConfi
     K = cfg.ttt_steps
     local = batch_idx[rank::world]
     batch = collate([ds[i] for i in (local or batch_idx[:1])], cfg.max_len)
-    with autocast(cfg.dtype):  # the teacher's [n,V] matmul too; its log-softmax is fp32 (ttt.teacher)
+    with autocast(cfg.dtype):  # the teacher's [n,V] matmul too; its softmax is fp32 (ttt.teacher)
         tprobs, masks = batch_targets(batch, lm_head, draft, K)
     if not local:  # more ranks than samples: a zero-weight stand-in keeps DDP's collectives aligned
         masks = [torch.zeros_like(m) for m in masks]

@@ -89,7 +89,7 @@ class SoftCrossEntropy(torch.autograd.Function):
     for logits x [n,V] (any float dtype) and teacher probs p [n,V] fp32 → [n] in p's dtype (fp32);
     dce/dx = softmax(x) - p.
     The values of log_softmax → product → sum, in fewer passes over [n,V] fp32: that elementwise
-    traffic, not the matmuls, is most of a CPU training step. One exp pass in all (the softmax is kept
+    traffic, with the TTT attention's, was half of a CPU training step. One exp pass in all (the softmax is kept
     for the backward)."""
 
     @staticmethod
