@@ -8,6 +8,7 @@ Methods, interleaved per prompt within every repeat so machine-load drift hits a
   eagle3_chain      SpecEngine + EAGLE-3 head, `chain` preset      (needs --draft)
   eagle3_tree       SpecEngine + EAGLE-3 head, `tree` preset       (needs --draft)
   eagle3_X_lookupN  the same + a prompt-lookup branch of up to N tokens (--lookup-tokens N ...)
+  eagle3_X_native   the same with the head's weights in bf16, not int8 (--head-weights int8 native)
   oracle_chain      SpecEngine + a drafter that always proposes the engine's own greedy continuation
                     (chain, depth 4, zero draft cost): the ceiling of the verify machinery (τ = 5)
 Reported per method: median over repeats of (Σ tokens / Σ seconds over the prompts), the median of
@@ -21,6 +22,7 @@ prefix (exactly 1.0 in fp32; in bf16 a near-tie may flip when a verify forward h
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -39,7 +41,7 @@ from eagle3_platform.compute import has_native_bf16  # noqa: E402
 from eagle3_platform.data.chat import render_prompt  # noqa: E402
 from eagle3_platform.data.local_gen import common_prefix  # noqa: E402
 from eagle3_platform.draft.metrics import acceptance_length  # noqa: E402
-from eagle3_platform.spec.config import PRESETS, get_preset  # noqa: E402
+from eagle3_platform.spec.config import HEAD_WEIGHTS, PRESETS, SpecConfig, get_preset  # noqa: E402
 from eagle3_platform.spec.engine import SpecEngine  # noqa: E402
 from eagle3_platform.spec.eval import first_turn, load_prompts  # noqa: E402
 from eagle3_platform.target import load_target  # noqa: E402
@@ -114,13 +116,15 @@ def build_methods(target, draft, args, refs: dict, bf16_target=None) -> dict:
         methods["hf_greedy_bf16"] = hf_method(bf16_target, base.eos_ids)
     methods["engine_baseline"] = engine_method(base)
     if draft is not None:
-        for name in args.spec:
-            cfg = get_preset(name)
+        for name, weights in itertools.product(args.spec, args.head_weights):
+            cfg = replace(get_preset(name), head_weights=weights)
             if args.min_draft_prob is not None:
                 cfg = replace(cfg, min_draft_prob=args.min_draft_prob)
-            methods[f"eagle3_{name}"] = engine_method(SpecEngine(target, draft, cfg))
+            # the first --head-weights value is unnamed; the others are named (eagle3_chain_native)
+            suffix = "" if weights == args.head_weights[0] else f"_{weights}"
+            methods[f"eagle3_{name}{suffix}"] = engine_method(SpecEngine(target, draft, cfg))
             for n in args.lookup_tokens:  # the head's tree + a prompt-lookup branch (spec/lookup.py)
-                methods[f"eagle3_{name}_lookup{n}"] = engine_method(
+                methods[f"eagle3_{name}_lookup{n}{suffix}"] = engine_method(
                     SpecEngine(target, draft, replace(cfg, lookup_tokens=n)))
     if args.oracle:
         methods["oracle_chain"] = oracle_method(target, refs)
@@ -256,6 +260,8 @@ def main(argv=None) -> int:
     ap.add_argument("--spec", nargs="+", default=["chain", "tree"])
     ap.add_argument("--min-draft-prob", type=float, default=None,
                     help="adaptive draft size for the eagle3 rows (default: each spec preset's)")
+    ap.add_argument("--head-weights", nargs="+", choices=HEAD_WEIGHTS, default=[SpecConfig.head_weights],
+                    help="the head's weights in the engine; several: one eagle3 row each (A/B)")
     ap.add_argument("--prompt-lookup-tokens", type=int, default=10)
     ap.add_argument("--lookup-tokens", type=int, nargs="*", default=[],
                     help="also run each eagle3 row with a prompt-lookup branch of this many tokens")

@@ -451,6 +451,18 @@ def test_real_engine_through_server_is_lossless(tiny_target_dir, tiny_export):
     assert outs["eagle3"] == outs["baseline"]
 
 
+def test_build_engine_takes_the_head_weights_setting(tiny_target_dir, tiny_export):
+    from torch import nn
+
+    from eagle3_platform.draft.quant import Int8Linear
+    from eagle3_platform.serve.server import build_engine
+
+    engine, _, meta = build_engine(tiny_target_dir, tiny_export, "chain")
+    assert isinstance(engine.draft.lm_head, Int8Linear) and meta["spec_config"]["head_weights"] == "int8"
+    engine, _, meta = build_engine(tiny_target_dir, tiny_export, "chain", head_weights="native")
+    assert isinstance(engine.draft.lm_head, nn.Linear) and meta["spec_config"]["head_weights"] == "native"
+
+
 def test_real_engine_batched_requests_equal_each_alone(tiny_target_dir, tiny_export):
     """Concurrent greedy requests (mixed prompt lengths and budgets, staggered) through the batching
     server give what each request gives alone (fp32: exact), with the draft size chosen per step."""

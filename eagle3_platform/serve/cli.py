@@ -6,6 +6,7 @@ import os
 
 from eagle3_platform.cli_args import output_file, require_positive
 from eagle3_platform.serve.config import PRESETS
+from eagle3_platform.spec.config import HEAD_WEIGHTS
 
 
 def add_commands(sub) -> None:
@@ -18,6 +19,8 @@ def add_commands(sub) -> None:
                    help="require 'Authorization: Bearer KEY' (default: $EAGLE3_API_KEY if set)")
     p.add_argument("--spec", default="chain",
                    help="speculative preset: chain | chain_adaptive | chain_adaptive_lookup | tree | tiny")
+    p.add_argument("--head-weights", default=None, choices=HEAD_WEIGHTS,
+                   help="the head's weights: int8 (default; half the bytes per draft forward) | native")
     p.add_argument("--preset", default="demo", choices=sorted(PRESETS), help="server limits preset")
     p.add_argument("--max-tokens", type=int, default=None, help="server bound on max_tokens")
     p.add_argument("--max-queue", type=int, default=None, help="queued+running requests bound")
@@ -50,7 +53,7 @@ def serve(a) -> dict:
         import torch
         torch.set_num_threads(cfg.torch_threads)
     sock = bind_socket(cfg.host, cfg.port)  # before the model loads: a busy port fails at once
-    engine, target, info = build_engine(a.target, a.draft, a.spec, cfg.dtype)
+    engine, target, info = build_engine(a.target, a.draft, a.spec, cfg.dtype, a.head_weights)
     context = int(getattr(target.model.config, "max_position_embeddings", 2048))
     name = info["target_id"] + ("-eagle3" if info["draft"] else "")
     app = build_app(engine, target.tokenizer, cfg, model_name=name, context_length=context,

@@ -384,8 +384,11 @@ def build_app(engine, tokenizer, cfg: ServeConfig | None = None, *, model_name: 
 
 
 def build_engine(target_dir: str | Path, draft_dir: str | Path | None = None, spec: str = "chain",
-                 dtype: str = "auto"):
-    """The real engine from a prepared target (+ optional exported draft). Imports torch lazily."""
+                 dtype: str = "auto", head_weights: str | None = None):
+    """The real engine from a prepared target (+ optional exported draft); head_weights overrides the
+    spec preset's (int8 | native). Imports torch lazily."""
+    from dataclasses import replace
+
     from eagle3_platform.spec.config import get_preset
     from eagle3_platform.spec.engine import SpecEngine
     from eagle3_platform.target import load_target
@@ -396,6 +399,8 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path | None = None, sp
         from eagle3_platform.draft.export import load_export
         draft = load_export(draft_dir, target)
     cfg = get_preset(spec if draft is not None else "baseline")
+    if head_weights is not None:
+        cfg = replace(cfg, head_weights=head_weights)
     info = {"target_id": target.meta.get("target_id"), "draft": draft is not None, "dtype": target.meta["dtype"],
             "spec": spec if draft is not None else "baseline", "spec_config": cfg.to_dict()}
     return SpecEngine(target, draft, cfg), target, info

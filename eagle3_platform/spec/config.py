@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+HEAD_WEIGHTS = ("int8", "native")
+
 
 @dataclass(frozen=True)
 class SpecConfig:
@@ -27,6 +29,10 @@ class SpecConfig:
     # fewer) tokens join the tree as one more branch. 0 = the head's tree alone.
     lookup_tokens: int = 0
     lookup_ngram: int = 3
+    # The head's weights in the embedded CPU engine (draft/quant.py; not an SGLang flag): "int8" reads
+    # half the bytes per draft forward (a batch-1 draft step is bound by weight reads), "native" keeps
+    # the head's dtype. Output is lossless either way: only the drafted tokens may differ.
+    head_weights: str = "int8"
 
     def __post_init__(self):
         if self.num_steps < 0 or self.eagle_topk < 0 or self.num_draft_tokens < 1:
@@ -35,6 +41,8 @@ class SpecConfig:
             raise ValueError("a draft tree needs num_steps >= 1 and eagle_topk >= 1")
         if self.lookup_tokens < 0 or self.lookup_ngram < 1:
             raise ValueError(f"need lookup_tokens >= 0 and lookup_ngram >= 1: {self}")
+        if self.head_weights not in HEAD_WEIGHTS:
+            raise ValueError(f"head_weights must be one of {HEAD_WEIGHTS}, not {self.head_weights!r}")
         if not 0.0 <= self.min_draft_prob < 1.0:
             raise ValueError(f"min_draft_prob must be in [0, 1), not {self.min_draft_prob}")
         if self.eagle_topk == 1 and self.num_draft_tokens > self.num_steps + 1:

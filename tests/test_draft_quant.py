@@ -1,0 +1,90 @@
+"""Weight-only int8 head (draft/quant.py): the math, which layers it takes, and that the engine stays lossless."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+from eagle3_platform.draft.quant import INT8_MAX_ROWS, Int8Linear, int8_head
+from eagle3_platform.spec.config import PRESETS, SpecConfig
+from eagle3_platform.spec.engine import SpecEngine
+from eagle3_platform.testing.spec import VariedTargetConfig, random_draft, varied_target
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _linear(n_out, n_in, dtype, seed=0):
+    torch.manual_seed(seed)
+    lin = nn.Linear(n_in, n_out, bias=False)
+    lin.weight.data = lin.weight.data.to(dtype)
+    return lin
+
+
+def test_quantization_error_is_at_most_half_a_step_per_weight():
+    lin = _linear(48, 64, torch.float32)
+    q = Int8Linear(lin)
+    assert q.q.dtype == torch.int8 and q.q.abs().max() <= 127
+    step = q.scale.float()[:, None]  # [N,1]
+    assert ((q.weight - lin.weight).abs() <= step / 2 + 1e-7).all()
+    assert (q.q.abs().amax(1) == 127).all()  # every row uses its full range
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_both_paths_compute_x_times_the_dequantized_weight(dtype, tol):
+    q = Int8Linear(_linear(40, 96, dtype))
+    ref_w = q.weight.float()
+    for rows in (1, 2, INT8_MAX_ROWS, INT8_MAX_ROWS + 1, 9):  # the int8 GEMV, then the dense GEMM
+        x = torch.randn(1, rows, 96).to(dtype)
+        y = q(x)
+        assert y.shape == (1, rows, 40) and y.dtype == dtype
+        ref = x.float() @ ref_w.T
+        assert (y.float() - ref).abs().max() <= tol * ref.abs().max()
+
+
+def test_int8_head_is_a_copy_sharing_only_the_frozen_parts():
+    target = varied_target(None, VariedTargetConfig(vocab_size=96))
+    draft = random_draft(target, 64)
+    before = {k: v.clone() for k, v in draft.state_dict().items()}
+    quantized = int8_head(draft)
+    assert isinstance(quantized.lm_head, Int8Linear) and isinstance(quantized.fc, Int8Linear)
+    assert isinstance(quantized.midlayer.mlp.down_proj, Int8Linear)
+    assert isinstance(draft.lm_head, nn.Linear) and isinstance(draft.midlayer.self_attn.q_proj, nn.Linear)
+    assert all(torch.equal(v, draft.state_dict()[k]) for k, v in before.items())  # the original untouched
+    assert quantized.embed_tokens is draft.embed_tokens and quantized.d2t is draft.d2t
+    h = torch.randn(1, 1, draft.cfg.hidden_size)
+    with torch.no_grad():  # the same head, up to int8 rounding of its weights
+        assert torch.allclose(quantized.logits(h), draft.logits(h), atol=0.05 * draft.logits(h).abs().max())
+
+
+def test_layers_the_kernel_cannot_take_stay_dense():
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ok, self.odd = nn.Linear(32, 8, bias=False), nn.Linear(24, 8, bias=False)
+
+    m = int8_head(Two())
+    assert isinstance(m.ok, Int8Linear) and isinstance(m.odd, nn.Linear)  # 24 inputs: not a multiple of 16
+
+
+def test_head_weights_setting_is_validated():
+    with pytest.raises(ValueError, match="head_weights"):
+        SpecConfig(head_weights="int4")
+
+
+@pytest.mark.parametrize("preset", ["chain", "tree"])
+def test_engine_with_int8_head_is_lossless_and_matches_native_draft_counts(tiny_target, preset):
+    """fp32 target: output equals plain greedy decoding with either head; the int8 head drafts from
+    nearly the same weights, so it is used (its engine's copy is quantized) and the native one is not."""
+    target = varied_target(tiny_target)
+    draft = random_draft(target, 64)
+    ids = target.tokenizer("a b c d e f")["input_ids"]
+    plain, _ = SpecEngine(target, None, PRESETS["baseline"]).generate(ids, 16)
+    int8_engine = SpecEngine(target, draft, PRESETS[preset])
+    native_engine = SpecEngine(target, draft, replace(PRESETS[preset], head_weights="native"))
+    assert isinstance(int8_engine.draft.lm_head, Int8Linear)
+    assert isinstance(native_engine.draft.lm_head, nn.Linear)
+    for engine in (int8_engine, native_engine):
+        out, stats = engine.generate(ids, 16)
+        assert out == plain and stats["verify_steps"] >= 1
