@@ -74,7 +74,7 @@ PRESETS: dict[str, SourceConfig] = {
     "demo": SourceConfig(limit=40, eval_limit=4, long_context_max_chars=3000, math_size=10_000),
     # cpu: what 2 cores regenerate in about an hour (bf16, batched; measured 90-200 tok/s on real
     # prompts, multi-turn histories the slowest), leaving the second hour to extraction and training.
-    # long_context capped: its ~1000-token prompts made 29 of 101 data minutes and 42% of the training
+    # long_context capped: its ~1000-token prompts made 28 of 101 data minutes and 42% of the training
     # tokens for 7% of the response tokens (a timed run at e570d96)
     "cpu": SourceConfig(limit=400, eval_limit=8, long_context_max_chars=4000, math_size=10_000,
                         long_context_limit=64),
