@@ -49,7 +49,11 @@ class RegenConfig:
     concurrency: int  # endpoint: conversations in flight
     # local: KV entries (rows x (longest prompt + max_new_tokens)) one batch may hold; capped by RAM.
     # It also bounds the prefill, whose attention temporaries grow with rows x prompt^2: 64 rows of
-    # 900-token multi-turn histories in one forward stalled for minutes on 2 cores.
+    # 900-token multi-turn histories in one forward stalled for minutes on 2 cores. More rows do not
+    # pay at long contexts: a decode step reads every row's whole cache (23 KB a token, SmolLM2 bf16),
+    # padded to the longest row. 48 multi-turn conversations (cpu preset) whose turns were prefilled
+    # within this bound but decoded as one batch had 27.0k tokens when the split path had finished
+    # all 38.5k (527 s).
     batch_tokens: int = 16384
     dtype: str = "auto"  # local compute dtype: auto = bf16 where the hardware has it (compute.py)
     torch_threads: int = 0  # local: 0 = all cores (the step runs alone); >0 pins (a shared box)
