@@ -44,7 +44,7 @@ def bench_args(cfg, url: str, baseline: str, prompts, out, duration_s: int | Non
 def benchmark_report(context: AssetExecutionContext, storage: StorageResource, target: TargetResource,
                      serving: ServingResource, preset: PresetResource) -> MaterializeResult:
     export = storage.fetch_dir(Keys.EXPORT)
-    out = storage.staging(Keys.BENCH, context.run_id)
+    out = storage.staging(Keys.BENCH, context.run.run_id)
     counts = heldout_prompts(storage, out / "prompts.jsonl")
     tdir = target.dir()
     base = serving.launch(tdir, None, log_path=out / "baseline.log", preset=preset.name,

@@ -33,7 +33,7 @@ def draft_vocab(context: AssetExecutionContext, storage: StorageResource, target
     dirs = fetch_features(storage, target, "train", context.log)
     if not dirs:
         raise FileNotFoundError("no feature shards in storage: materialize feature_shards first")
-    out = storage.staging(Keys.VOCAB, context.run_id) / VOCAB_FILE
+    out = storage.staging(Keys.VOCAB, context.run.run_id) / VOCAB_FILE
     summary = compute.run(context, VocabRequest(features=[str(d) for d in dirs], target=str(target.dir()),
                                                 out=str(out), preset=preset.name))
     uri = storage.publish_from(out.parent, Keys.VOCAB)
@@ -55,7 +55,7 @@ def draft_head(context: AssetExecutionContext, storage: StorageResource, target:
     summary = compute.run(context, TrainRequest(
         target=str(target.dir()), features=[str(d) for d in dirs], out=str(ckpt), preset=preset.name,
         eval_features=[str(d) for d in eval_dirs], vocab=str(vocab), resume=True, **preset.compute()))
-    exp = storage.staging(Keys.EXPORT, context.run_id)
+    exp = storage.staging(Keys.EXPORT, context.run.run_id)
     exported = compute.run(context, ExportRequest(draft=str(ckpt), out=str(exp)))
     export_uri = storage.publish_from(exp, Keys.EXPORT)
     ckpt_uri = storage.publish_from(ckpt, Keys.DRAFT)
