@@ -102,6 +102,24 @@ def test_select_prompts_skips_long_and_rejects_bad():
         select_prompts([{"id": "z"}], None)
 
 
+def test_interleave_workloads_balances_every_prefix():
+    from eagle3_platform.bench.run import default_workload, interleave_workloads
+
+    rows = ([{"id": f"c{i}", "workload": "chat"} for i in range(2)]
+            + [{"id": f"l{i}", "workload": "long"} for i in range(4)]
+            + [{"id": f"m{i}", "workload": "math"} for i in range(4)])
+    out = interleave_workloads(rows, default_workload)
+    assert sorted(r["id"] for r in out) == sorted(r["id"] for r in rows)  # nothing lost or doubled
+    for w in ("chat", "long", "math"):  # order within a workload kept
+        ids = [r["id"] for r in out if r["workload"] == w]
+        assert ids == sorted(ids)
+    for n in range(1, len(out) + 1):  # every prefix within one row of its workload's share
+        for w, size in (("chat", 2), ("long", 4), ("math", 4)):
+            got = sum(r["workload"] == w for r in out[:n])
+            assert abs(got - n * size / len(rows)) <= 1, (n, w, [r["id"] for r in out])
+    assert out[:2] == [rows[2], rows[6]]  # the grouped file began with both chat rows
+
+
 def test_read_stream():
     lines = [b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}', b"",
              b'data: {"choices":[{"delta":{"content":"Hel"}}]}',

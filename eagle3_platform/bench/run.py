@@ -149,6 +149,7 @@ def run_benchmark(url: str, prompts_path: str | Path, concurrency=(1, 2, 4, 8),
     if not rows:
         raise ValueError(f"no usable prompts in {source} (max_prompt_chars={max_prompt_chars}, "
                          f"{skipped} too long)")
+    rows = interleave_workloads(rows, workload_of_prompt)
     prompts_path = out_dir / "prompts_used.jsonl"
     write_jsonl_atomic(prompts_path, rows)
     wl = [workload_of_prompt(r) for r in rows]
@@ -209,6 +210,24 @@ def select_prompts(rows: list[dict], max_chars: int | None) -> tuple[list[dict],
         if max_chars is None or n <= max_chars:
             kept.append(r)
     return kept, len(rows) - len(kept)
+
+
+def interleave_workloads(rows: list[dict], workload_of: Callable[[dict], str]) -> list[dict]:
+    """Rows reordered so every prefix holds the workloads in their overall proportions.
+
+    Locust sends the prompts in file order and a cell ends after its duration, so a cell only sees
+    a prefix: with the file grouped by workload, c = 1 saw chat and multi_turn alone while c = 8
+    also got the long-context prompts, and a faster endpoint reached further into the file than
+    its baseline. Row i of a workload with n rows sits at (i + 0.5) / n; ties keep workload order."""
+    order = {w: j for j, w in enumerate(dict.fromkeys(map(workload_of, rows)))}
+    size = {w: sum(workload_of(r) == w for r in rows) for w in order}
+    seen: dict[str, int] = {}
+    keyed = []
+    for r in rows:
+        w = workload_of(r)
+        i = seen[w] = seen.get(w, -1) + 1
+        keyed.append(((i + 0.5) / size[w], order[w], r))
+    return [r for *_, r in sorted(keyed, key=lambda t: t[:2])]
 
 
 def headline(results: dict) -> dict:
