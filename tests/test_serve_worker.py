@@ -1,0 +1,59 @@
+"""The engine worker's prefill order, driven step by step on the fake engine (no thread, no HTTP)."""
+from __future__ import annotations
+
+from eagle3_platform.serve.worker import EngineWorker, Job
+from eagle3_platform.testing.serve import FakeEngine
+
+
+def _worker(**kw):
+    engine = FakeEngine(list(range(10, 20)), chunk=1)
+    return EngineWorker(engine, max_queue=64, **kw), engine.batch()
+
+
+def _submit(worker, name: str, n_prompt: int, firsts: list) -> Job:
+    def emit(ev, name=name):
+        if ev[0] == "tokens" and name not in firsts:
+            firsts.append(name)
+    return worker.submit(Job(list(range(n_prompt)), max_new_tokens=4, emit=emit))
+
+
+def _loop(worker, batch) -> None:
+    """What the worker thread does each loop before its decode step: take arrivals, prefill."""
+    worker._pull(block=False)
+    worker._prefill(batch)
+
+
+def test_short_prompts_are_prefilled_before_a_long_one_already_begun():
+    worker, batch = _worker(prefill_chunk=8)
+    firsts = []
+    long = _submit(worker, "long", 40, firsts)
+    _loop(worker, batch)
+    assert long.request.prefilled == 8 and worker.in_flight == 1
+    _submit(worker, "short", 5, firsts)
+    _loop(worker, batch)  # the short prompt first, the rest of the budget to the long one
+    assert firsts == ["short"] and long.request.prefilled == 11
+    while "long" not in firsts:
+        _loop(worker, batch)
+    assert firsts == ["short", "long"] and worker.in_flight == 2
+
+
+def test_a_prompt_is_passed_at_most_max_overtaken_times():
+    # FIFO would serve the long prompt first; shortest-first without a bound would serve it last
+    worker, batch = _worker(prefill_chunk=8, max_overtaken=2)
+    firsts = []
+    _submit(worker, "long", 40, firsts)
+    for i in range(5):
+        _submit(worker, f"s{i}", 4, firsts)
+    for _ in range(20):
+        _loop(worker, batch)
+    assert firsts == ["s0", "s1", "long", "s2", "s3", "s4"]
+
+
+def test_new_prompts_wait_for_room_in_the_batch():
+    worker, batch = _worker(prefill_chunk=64, max_batch=2)
+    firsts = []
+    for i in range(3):
+        _submit(worker, f"r{i}", 4, firsts)
+    _loop(worker, batch)
+    assert firsts == ["r0", "r1"] and worker.in_flight == 2 and worker.outstanding == 3
+    assert worker._next_prompt() is None  # r2 is not opened while the batch is full
