@@ -316,6 +316,7 @@ def test_corrupt_checkpoint_on_resume_is_named(tiny_target_dir, feats, tmp_path,
 @pytest.mark.parametrize("argv,flag", [
     (["serve", "--target", "t", "--max-tokens", "-5"], "--max-tokens"),
     (["serve", "--target", "t", "--threads", "0"], "--threads"),
+    (["serve", "--target", "t", "--prefill-chunk", "0"], "--prefill-chunk"),
     (["eval", "--target", "t", "--prompts", "p.jsonl", "--max-new-tokens", "-1"], "--max-new-tokens"),
     (["eval", "--target", "t", "--prompts", "p.jsonl", "--max-new-tokens", "0"], "--max-new-tokens"),
     (["bench", "--url", "http://127.0.0.1:9", "--prompts", "p.jsonl", "--out", "r", "--max-tokens", "-2"],

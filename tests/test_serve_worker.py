@@ -1,6 +1,8 @@
 """The engine worker's prefill order, driven step by step on the fake engine (no thread, no HTTP)."""
 from __future__ import annotations
 
+import pytest
+
 from eagle3_platform.serve.worker import EngineWorker, Job
 from eagle3_platform.testing.serve import FakeEngine
 
@@ -57,3 +59,9 @@ def test_new_prompts_wait_for_room_in_the_batch():
     _loop(worker, batch)
     assert firsts == ["r0", "r1"] and worker.in_flight == 2 and worker.outstanding == 3
     assert worker._next_prompt() is None  # r2 is not opened while the batch is full
+
+
+@pytest.mark.parametrize("kw", [{"prefill_chunk": 0}, {"max_batch": 0}, {"max_overtaken": -1}])
+def test_settings_that_would_stall_the_worker_are_refused(kw):
+    with pytest.raises(ValueError, match="need max_batch"):
+        _worker(**kw)

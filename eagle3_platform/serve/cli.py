@@ -25,6 +25,8 @@ def add_commands(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=None, help="server bound on max_tokens")
     p.add_argument("--max-queue", type=int, default=None, help="queued+running requests bound")
     p.add_argument("--max-batch", type=int, default=None, help="requests decoded together")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prompt tokens prefilled between two decode steps (TTFT vs stream stalls)")
     p.add_argument("--fixed-draft", action="store_true",
                    help="always verify the spec preset's full draft (no per-step draft size choice)")
     p.add_argument("--model-name", default=None, help="id shown by /v1/models")
@@ -41,12 +43,12 @@ def serve(a) -> dict:
     output_file(a.ready_file, "--ready-file")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     require_positive(max_tokens=a.max_tokens, max_queue=a.max_queue, max_batch=a.max_batch,
-                     threads=a.threads)
+                     prefill_chunk=a.prefill_chunk, threads=a.threads)
     api_key = a.api_key or os.environ.get(API_KEY_ENV)
     check_api_key(api_key)  # before the model loads: a key no client can send is a startup error
     cfg = PRESETS[a.preset].with_(host=a.host, port=a.port, max_tokens=a.max_tokens,
                                   max_queue=a.max_queue, max_batch=a.max_batch,
-                                  adaptive_draft=False if a.fixed_draft else None,
+                                  prefill_chunk=a.prefill_chunk, adaptive_draft=False if a.fixed_draft else None,
                                   model_name=a.model_name,
                                   torch_threads=a.threads, dtype=a.dtype)
     if cfg.torch_threads:

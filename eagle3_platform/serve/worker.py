@@ -71,6 +71,8 @@ class QueueFull(Exception):
 class EngineWorker:
     def __init__(self, engine, max_queue: int, max_batch: int = 16, prefill_chunk: int = 256,
                  policy=None, max_overtaken: int = 8):
+        if min(max_batch, prefill_chunk) < 1 or max_overtaken < 0:
+            raise ValueError("need max_batch >= 1, prefill_chunk >= 1 and max_overtaken >= 0")
         self.engine, self.max_queue = engine, max_queue
         self.max_batch, self.prefill_chunk, self.policy = max_batch, prefill_chunk, policy
         self.max_overtaken = max_overtaken
