@@ -51,6 +51,16 @@ def test_a_prompt_is_passed_at_most_max_overtaken_times():
     assert firsts == ["s0", "s1", "long", "s2", "s3", "s4"]
 
 
+def test_max_overtaken_0_is_first_come_first_served():
+    worker, batch = _worker(prefill_chunk=8, max_overtaken=0)
+    firsts = []
+    for name, n in (("long", 20), ("s0", 4), ("s1", 4)):
+        _submit(worker, name, n, firsts)
+    for _ in range(6):
+        _loop(worker, batch)
+    assert firsts == ["long", "s0", "s1"]
+
+
 def test_new_prompts_wait_for_room_in_the_batch():
     worker, batch = _worker(prefill_chunk=64, max_batch=2)
     firsts = []

@@ -27,6 +27,8 @@ def add_commands(sub) -> None:
     p.add_argument("--max-batch", type=int, default=None, help="requests decoded together")
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prompt tokens prefilled between two decode steps (TTFT vs stream stalls)")
+    p.add_argument("--max-overtaken", type=int, default=None,
+                   help="prefill order: shortest prompt first, none passed more than this often (0: FIFO)")
     p.add_argument("--fixed-draft", action="store_true",
                    help="always verify the spec preset's full draft (no per-step draft size choice)")
     p.add_argument("--model-name", default=None, help="id shown by /v1/models")
@@ -48,7 +50,8 @@ def serve(a) -> dict:
     check_api_key(api_key)  # before the model loads: a key no client can send is a startup error
     cfg = PRESETS[a.preset].with_(host=a.host, port=a.port, max_tokens=a.max_tokens,
                                   max_queue=a.max_queue, max_batch=a.max_batch,
-                                  prefill_chunk=a.prefill_chunk, adaptive_draft=False if a.fixed_draft else None,
+                                  prefill_chunk=a.prefill_chunk, max_overtaken=a.max_overtaken,
+                                  adaptive_draft=False if a.fixed_draft else None,
                                   model_name=a.model_name,
                                   torch_threads=a.threads, dtype=a.dtype)
     if cfg.torch_threads:
