@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -219,15 +220,14 @@ def interleave_workloads(rows: list[dict], workload_of: Callable[[dict], str]) -
     a prefix: with the file grouped by workload, c = 1 saw chat and multi_turn alone while c = 8
     also got the long-context prompts, and a faster endpoint reached further into the file than
     its baseline. Row i of a workload with n rows sits at (i + 0.5) / n; ties keep workload order."""
-    order = {w: j for j, w in enumerate(dict.fromkeys(map(workload_of, rows)))}
-    size = {w: sum(workload_of(r) == w for r in rows) for w in order}
-    seen: dict[str, int] = {}
-    keyed = []
-    for r in rows:
-        w = workload_of(r)
-        i = seen[w] = seen.get(w, -1) + 1
-        keyed.append(((i + 0.5) / size[w], order[w], r))
-    return [r for *_, r in sorted(keyed, key=lambda t: t[:2])]
+    wl = [workload_of(r) for r in rows]
+    size, seen = Counter(wl), Counter()  # Counter keeps first-seen order: the tie-break
+    order = {w: j for j, w in enumerate(size)}
+    keys = []
+    for w in wl:
+        keys.append(((seen[w] + 0.5) / size[w], order[w]))
+        seen[w] += 1
+    return [r for _, r in sorted(zip(keys, rows), key=lambda kr: kr[0])]
 
 
 def headline(results: dict) -> dict:

@@ -205,7 +205,7 @@ class EngineWorker:
     def _next_prompt(self) -> Job | None:
         """Shortest remaining prompt first; one passed by max_overtaken later arrivals goes first.
         Prompts already begun always qualify; a new one only while the batch has room for it."""
-        room = self.max_batch - len(self._running) - sum(j.request is not None for j in self._waiting)
+        room = self.max_batch - self.in_flight
         ready = [j for j in self._waiting if j.request is not None or room > 0]
         if not ready:
             return None
