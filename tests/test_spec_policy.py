@@ -61,8 +61,9 @@ def test_noise_does_not_make_the_choice_flap():
 def test_acceptance_is_learnt_per_depth_and_reported():
     p = DraftSizePolicy(k_max=4)
     p.observe(2, 4, 0.05, [0, 2])  # one sequence accepted nothing, the other 2 tokens
-    # one optimistic pseudo-step (g = 1) + this step: a single step cannot write a depth off
-    assert p.depth_accept == {1: 0.75, 2: 0.75, 3: 0.5, 4: 0.5}
+    # one optimistic pseudo-step (1.0) + this step: a single step cannot write a depth off. Each depth
+    # is conditional on its parent: depth 2 and 3 were tried by the second row only, depth 4 by none
+    assert p.depth_accept == {1: 0.75, 2: 1.0, 3: 0.5} and p.depth_drafted == {d: 1.0 for d in range(1, 5)}
     for _ in range(60):
         p.observe(2, 4, 0.05, [0, 2])
     assert abs(p.depth_accept[1] - 0.5) < 0.02 and abs(p.depth_accept[3]) < 0.02
@@ -75,10 +76,12 @@ def test_acceptance_is_learnt_per_depth_and_reported():
     assert abs(c1_ms - 5.0) < 1e-3 and abs(c0_ms - 5.0) < 1e-3  # 20 ms/seq at k=3, 25 at k=4
 
 
-def test_a_deeper_token_is_never_expected_more_often_than_its_parent():
+def test_a_deeper_token_is_expected_only_after_its_parent():
     p = DraftSizePolicy(k_max=3)
-    p.depth_accept = {1: 0.2, 2: 0.6}  # depth 2 measured on fewer, luckier steps; depth 3 unknown
-    assert abs(p.accepted(3) - 0.6) < 1e-9  # 0.2 + 0.2 + 0.2, not 0.2 + 0.6 + 1.0
+    p.depth_accept = {1: 0.2, 2: 0.6}  # depth 2 accepted in 60% of the steps whose depth 1 was; 3 unknown
+    p.depth_drafted = {1: 1.0, 2: 0.5}  # half the drafts stop at depth 1
+    assert abs(p.accepted(3) - (0.2 + 0.2 * 0.5 * 0.6 * (1 + 1))) < 1e-9  # g_3 = g_2 · (1 · 1)
+    assert abs(p.depth(2, 1) - 1.5) < 1e-9 and abs(p.depth(2, 4) - (1 + 1 - 0.5 ** 4)) < 1e-9
 
 
 def test_a_neighbour_is_re_measured_so_the_choice_follows_the_machine():
@@ -129,3 +132,43 @@ def test_a_size_far_outside_the_measured_ones_is_not_chosen_on_extrapolation():
     assert set(p.rates(4)) == {0, 1, 2}  # 3 and 4 are not predicted from a line through 0 and 1
     chosen = _simulate(p, 4, real.get, accept_depth=1, steps=100)
     assert chosen[-30:].count(1) >= 25 and chosen.count(4) <= 3
+
+
+def _simulate_cut(policy, batch_size, cost, reach, accept, steps, seed=0):
+    """Drafts cut short as a confident-only head cuts them: a row's draft goes one depth deeper with
+    probability `reach` (at most k deep), each drafted token is accepted after its parent with
+    probability `accept`; a step costs cost(deepest draft of the batch). -> the draft sizes chosen."""
+    rng, chosen = random.Random(seed), []
+    for _ in range(steps):
+        k = policy.choose(batch_size)
+        drafted = [next((d for d in range(k) if rng.random() >= reach), k) for _ in range(batch_size)]
+        accepted = [next((d for d in range(m) if rng.random() >= accept), m) for m in drafted]
+        policy.observe(batch_size, k, cost(max(drafted)), accepted, drafted)
+        chosen.append(k)
+    return chosen
+
+
+def test_a_draft_size_is_charged_for_the_depth_drafted_so_a_chat_turn_does_not_pin_it_low():
+    """Batch 1, a head forward 10% of a decode step. A chat request first: the head rarely drafts
+    past depth 1 and is often wrong, so deep caps gain little, but they cost little either (the drafts
+    are cut, not the cap). Then code: deep drafts, mostly right; the best size is the largest. The
+    policy must get there, not stay at k = 1 because depths 2-4 looked useless during the chat turn."""
+    p = DraftSizePolicy(k_max=4)
+    cost = lambda m: 0.030 * (1 + 0.1 * m)  # noqa: E731
+    _simulate_cut(p, 1, cost, reach=0.3, accept=0.3, steps=60)
+    chosen = _simulate_cut(p, 1, cost, reach=0.9, accept=0.85, steps=100, seed=1)
+    assert chosen[-50:].count(4) >= 40
+    info = p.info()
+    assert info["drafted_rate_by_depth"]["1"] > 0.7 and info["accept_rate_by_depth"]["1"] > 0.7
+    assert info["step_cost_ms_by_batch"]["1"][1] > 1.0  # ~3 ms per depth, learnt from the drafts' spread
+
+
+def test_a_cut_draft_costs_its_depth_in_every_row_of_a_batch():
+    """Batch 8 where each depth drafted costs 60% of a decode step (the verify fills the cores): the
+    deepest row sets the cost, so even a head that drafts deep and well only pays at k = 1 at most."""
+    p = DraftSizePolicy(k_max=4)
+    cost = lambda m: 0.08 * (1 + 0.6 * m)  # noqa: E731
+    chosen = _simulate_cut(p, 8, cost, reach=0.5, accept=0.6, steps=300)
+    r1 = p.depth_drafted[1]  # ~half the rows draft depth 1: nearly every batch of 8 has one that does
+    assert 0 < r1 < 1 and abs(p.depth(1, 8) - (1 - (1 - r1) ** 8)) < 1e-9 and p.depth(1, 8) > r1
+    assert chosen[-100:].count(0) >= 90

@@ -45,6 +45,7 @@ class Request:
         self.pending = -1  # x_n
         self.steps, self.hist = 0, Counter()
         self.last_accepted = 0  # draft tokens accepted in the last step
+        self.last_drafted = 0  # depth of the last step's draft (0: the root alone)
         self.t0, self.t_prefill = time.perf_counter(), 0.0
 
     @property
@@ -143,6 +144,7 @@ class Batch:
                 r.drafter.commit(aux[b:b + 1, path], torch.tensor(new))
             r.n, r.pending = r.n + len(path), bonus
             r.steps, r.last_accepted = r.steps + 1, len(path) - 1
+            r.last_drafted = int(depths(tree.parents).max())
             r.hist[len(new)] += 1
             out.append((r, r.fin.push(new)))
         self.step_s = time.perf_counter() - t0 - self.catch_up_s

@@ -6,19 +6,31 @@ On a CPU a 5-token verify costs about one decode at B = 1 but several at B = 8, 
 as the batch grows. The policy picks the k with the most tokens per second,  (1 + a(k)) / c(B, k)·B.
 This is what SGLang users tune by hand with --speculative-num-draft-tokens, chosen per step here.
 
-Acceptance: g_d = P(a sequence's depth-d draft token is accepted), a mean over every step whose
-draft reached depth d, shared across k and B; a(k) = g_1 + ... + g_k with each g_d capped by the
-shallower ones (a token is only accepted after its parent). A depth starts from one optimistic
-pseudo-step (g = 1) and averages its first 1/EMA steps before it becomes a running mean, so one
-unlucky early step cannot write a depth off for good (it would never be drafted again to correct it).
+Acceptance and depth: a draft is cut where the head doubts it (min_draft_prob) and a cap k only
+limits how deep it may go, so a step is charged for the depth its drafts reached, not for k. Per depth
+d, each conditional on the parent: r_d = P(a draft that reached depth d-1 goes on to d), h_d = P(a
+depth-d token is accepted | its parent was and it was drafted). Then g_d = P(d tokens accepted) =
+prod over j <= d of r_j·h_j (never above the parent's), and a(k) = g_1 + ... + g_k. Why conditional:
+P(2 accepted) moves with the workload (a chat turn ~0.01, code ~0.5 for the demo head) mostly through
+g_1, which every drafting step measures, while h_2 is measured only where it matters (steps whose depth
+1 was accepted, mostly code), so a re-measure at k + 1 during code moves it where it matters. Before
+(unconditional g_d), one chat request wrote depths 2-4 off and the policy stayed at k = 1 at batch 1
+through the code requests that followed: 0.80x of plain decoding's decode time where a fixed cap of 4
+gave 0.73x; conditional, 0.74x (demo head, 36 held-out prompts one at a time, 1 thread, session 15). (Means that age, so one fresh
+re-measure replaces a stale value, were tried and dropped: at batch 1 one step is one coin flip, and
+the choice followed the flips down to plain decoding.) Each is a running mean that starts from one
+optimistic pseudo-step (1.0) and averages its first 1/EMA updates, so one unlucky early step cannot
+write a depth off for good.
 Cost: per batch-size bucket (1, 2, 3-4, 5-8, 9-16, ...; neighbouring sizes cost about the same per
-sequence), a running least-squares line  c/B = c0 + c1·k  (drafting is k forwards of the head and the
-verify grows with the tokens, so the cost is close to linear in k). Every step refines the line of
-its bucket, whatever its k, so wall-time noise averages out over all steps instead of one cell per
-k, and the cost of a k never measured in the bucket is predicted rather than paid for.
+sequence), a running least-squares line  c/B = c0 + c1·m  in the deepest draft m of the step's rows
+(drafting runs that many forwards of the head and the verify is padded to the widest row). A cap k is
+predicted to reach E[m] = sum over d <= k of P(some of the B rows drafts depth d). Every step refines
+the line of its bucket, whatever its k, so wall-time noise averages out over all steps instead of one
+cell per k, and the cost of a k never measured in the bucket is predicted rather than paid for.
 Exploration: a bucket seen for the first time starts from the best k of the nearest measured bucket
-(k_max on the very first step), then its neighbour, which gives the line two points; a size is only
-chosen within one of those measured in its bucket, so the range widens step by step. A neighbour of
+(k_max on the very first step), then, while the drafts' depth has not varied there, a neighbouring
+size, which gives the line a second point; a size is only chosen within one of the sizes measured in
+its bucket, so the range widens step by step. A neighbour of
 the best k is measured again after `explore_every` steps of a bucket, so the choice follows the load
 and the acceptance. A neighbour predicted more than CLOSE_RATE slower doubles the wait before the next
 re-measure (up to MAX_EXPLORE_GAP steps); a change of choice resets it. Why back off: where one size
@@ -38,14 +50,15 @@ CLOSE_RATE = 0.1  # a neighbour predicted within 10% of the best is re-measured 
 
 
 class CostLine:
-    """Exponentially weighted least squares of y = c0 + c1·k (y: seconds per step and sequence)."""
+    """Exponentially weighted least squares of y = c0 + c1·m (y: seconds per step and sequence, m: the
+    step's deepest draft)."""
 
     def __init__(self):
         self.n = 0
         self.mk = self.my = self.skk = self.sky = 0.0
-        self.k_lo = self.k_hi = -1  # the draft sizes measured span k_lo..k_hi
+        self.k_lo = self.k_hi = -1  # the depths measured span k_lo..k_hi
 
-    def add(self, k: int, y: float) -> None:
+    def add(self, k: float, y: float) -> None:
         self.k_lo, self.k_hi = (k, k) if self.n == 0 else (min(self.k_lo, k), max(self.k_hi, k))
         if self.n == 0:
             self.mk, self.my = float(k), y
@@ -66,7 +79,7 @@ class CostLine:
         c1 = max(0.0, self.sky / self.skk) if self.ready else 0.0
         return max(self.my - c1 * self.mk, 1e-9), c1
 
-    def predict(self, k: int) -> float:
+    def predict(self, k: float) -> float:
         c0, c1 = self.coef()
         return c0 + c1 * k
 
@@ -74,12 +87,14 @@ class CostLine:
 class DraftSizePolicy:
     def __init__(self, k_max: int, explore_every: int = 16):
         self.k_max, self.explore_every = k_max, explore_every
-        self.lines: dict[int, CostLine] = {}  # B bucket -> per-sequence cost line
-        self.depth_accept: dict[int, float] = {}  # d -> P(depth-d draft token accepted)
+        self.lines: dict[int, CostLine] = {}  # B bucket -> per-sequence cost line in the depth drafted
+        self.caps: dict[int, tuple[int, int]] = {}  # B bucket -> (lowest, highest) draft size chosen there
+        self.depth_drafted: dict[int, float] = {}  # d -> r_d = P(draft reaches d | it reached d-1)
+        self.depth_accept: dict[int, float] = {}  # d -> h_d = P(depth d accepted | parent was, drafted)
         self.hist: Counter = Counter()  # k -> steps
         self.current: int | None = None
         self._incumbent: dict[int, int] = {}  # B bucket -> its chosen k (re-measures aside)
-        self._depth_steps: dict[int, int] = {}  # d -> steps that measured depth d (+1 pseudo-step)
+        self._updates: Counter = Counter()  # (r|h, d) -> updates so far
         self._steps: Counter = Counter()  # B bucket -> steps chosen for it
         self._gap: dict[int, int] = {}  # B bucket -> steps between its re-measures
         self._next_explore: dict[int, int] = {}  # B bucket -> its step count at the next re-measure
@@ -91,8 +106,9 @@ class DraftSizePolicy:
         line = self.lines.get(b)
         if line is None:  # a new bucket: what its nearest measured neighbour does best
             k = self._nearest_best(b)
-        elif not line.ready:  # one k measured here: its neighbour gives the line a second point
-            k = line.k_lo - 1 if line.k_lo > 0 else min(1, self.k_max)
+        elif not line.ready:  # one depth measured here: a neighbouring size gives a second point
+            lo = self.caps[b][0]
+            k = lo - 1 if lo > 0 else min(1, self.k_max)
         else:
             k = self._best_or_re_measure(b, batch_size)
         self.current = k
@@ -116,21 +132,31 @@ class DraftSizePolicy:
 
     def accepted(self, k: int) -> float:
         """a(k): expected accepted draft tokens per sequence at draft size k (unknown depths: 1)."""
-        total, cap = 0.0, 1.0
+        total, g = 0.0, 1.0
         for d in range(1, k + 1):
-            cap = min(cap, self.depth_accept.get(d, 1.0))
-            total += cap
+            g *= self.depth_drafted.get(d, 1.0) * self.depth_accept.get(d, 1.0)  # g_d
+            total += g
+        return total
+
+    def depth(self, k: int, batch_size: int) -> float:
+        """E[m]: the deepest draft of batch_size rows at draft size k (rows independent)."""
+        total, reach = 0.0, 1.0
+        for d in range(1, k + 1):
+            reach *= self.depth_drafted.get(d, 1.0)  # P(one row drafts depth d)
+            total += 1 - (1 - reach) ** batch_size  # P(some row does)
         return total
 
     def rates(self, batch_size: int, lines: dict | None = None) -> dict[int, float]:
         """k -> predicted tokens per second and sequence in batch_size's bucket ({} if unmeasured), for
         the sizes measured there and one beyond either end: the line interpolates, it is not trusted
         far outside what it saw (the verify cost turns convex once a batch's tokens fill the cores)."""
-        line = (self.lines if lines is None else lines).get(_bucket(batch_size))
+        b = _bucket(batch_size)
+        line = (self.lines if lines is None else lines).get(b)
         if line is None or not line.ready:
             return {}
-        lo, hi = max(0, line.k_lo - 1), min(self.k_max, line.k_hi + 1)
-        return {k: (1 + self.accepted(k)) / line.predict(k) for k in range(lo, hi + 1)}
+        lo, hi = self.caps[b]
+        return {k: (1 + self.accepted(k)) / line.predict(self.depth(k, batch_size))
+                for k in range(max(0, lo - 1), min(self.k_max, hi + 1) + 1)}
 
     def best(self, batch_size: int, lines: dict | None = None) -> int:
         rates = self.rates(batch_size, lines)
@@ -142,22 +168,37 @@ class DraftSizePolicy:
             return kept
         return k
 
-    def observe(self, batch_size: int, k: int, seconds: float, accepted: list[int]) -> None:
-        """One finished step at draft size k: its wall time and each sequence's accepted draft tokens."""
+    def observe(self, batch_size: int, k: int, seconds: float, accepted: list[int],
+                drafted: list[int] | None = None) -> None:
+        """One finished step at draft size k: its wall time, each sequence's accepted draft tokens and
+        the depth its draft reached (None: k for every row, a draft never cut short)."""
+        drafted = [k] * len(accepted) if drafted is None else drafted
+        b = _bucket(batch_size)
         self.hist[k] += 1
-        self.lines.setdefault(_bucket(batch_size), CostLine()).add(k, seconds / batch_size)
-        for d in range(1, k + 1) if accepted else ():
-            n = self._depth_steps[d] = self._depth_steps.get(d, 1) + 1  # 1: the optimistic pseudo-step
-            rate = sum(a >= d for a in accepted) / len(accepted)
-            g = self.depth_accept.get(d, 1.0)
-            self.depth_accept[d] = g + (rate - g) * max(EMA, 1 / n)
+        self.caps[b] = (min(self.caps.get(b, (k, k))[0], k), max(self.caps.get(b, (k, k))[1], k))
+        self.lines.setdefault(b, CostLine()).add(max(drafted, default=0), seconds / batch_size)
+        for d in range(1, k + 1):
+            parents = [m for m in drafted if m >= d - 1]  # drafts that reached depth d-1
+            if not parents:
+                break
+            self._update(self.depth_drafted, "r", d, sum(m >= d for m in parents) / len(parents))
+            tried = [a for a, m in zip(accepted, drafted) if a >= d - 1 and m >= d]  # parent accepted
+            if tried:
+                self._update(self.depth_accept, "h", d, sum(a >= d for a in tried) / len(tried))
+
+    def _update(self, means: dict, kind: str, d: int, x: float) -> None:
+        """means[d] <- x: the mean of an optimistic pseudo-step (1.0) and the first 1/EMA updates, then
+        an exponential running mean."""
+        self._updates[kind, d] += 1
+        means[d] = means.get(d, 1.0) + (x - means.get(d, 1.0)) * max(EMA, 1 / (self._updates[kind, d] + 1))
 
     def info(self) -> dict:
         """For /server_info: the current choice, steps per draft size, the best k and the cost line
-        (ms per step and sequence: plain decoding, and per draft token) per batch-size bucket."""
+        (ms per step and sequence: plain decoding, and per depth of the deepest draft) per batch-size
+        bucket, and per depth how often a draft reached it and its token was accepted."""
         # snapshots (dict() copies in one C call): the engine thread updates these while a server
         # thread reads them
-        hist, accept = dict(self.hist), dict(self.depth_accept)
+        hist, accept, reach = dict(self.hist), dict(self.depth_accept), dict(self.depth_drafted)
         lines = {b: line for b, line in dict(self.lines).items() if line.ready}
         gaps = dict(self._gap)
         return {"draft_size_current": self.current,
@@ -165,7 +206,8 @@ class DraftSizePolicy:
                 "draft_size_by_batch": {str(b): self.best(b, lines) for b in sorted(lines)},
                 "step_cost_ms_by_batch": {str(b): [round(1e3 * c, 3) for c in lines[b].coef()]
                                           for b in sorted(lines)},
-                "accept_rate_by_depth": {str(d): round(g, 3) for d, g in sorted(accept.items())},
+                "drafted_rate_by_depth": {str(d): round(p, 3) for d, p in sorted(reach.items())},
+                "accept_rate_by_depth": {str(d): round(q, 3) for d, q in sorted(accept.items())},
                 "re_measure_gap_by_batch": {str(b): g for b, g in sorted(gaps.items())}}
 
     def _nearest_best(self, bucket: int) -> int:

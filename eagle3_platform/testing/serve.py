@@ -27,6 +27,7 @@ class FakeRequest:
         self.engine, self.ids, self.max_new = engine, list(input_ids), max_new_tokens
         self.start = rng.randrange(len(engine.vocab_ids)) if temperature > 0 else len(input_ids)
         self.produced, self.steps, self.last_accepted = 0, -1, 0  # the first chunk is the prefill's
+        self.last_drafted = 0
         self.prefilled = 0
 
     @property
@@ -40,6 +41,7 @@ class FakeRequest:
         n = min(e.chunk if self.produced else 1, self.max_new - self.produced)
         out = [e.vocab_ids[(self.start + self.produced + i) % len(e.vocab_ids)] for i in range(n)]
         self.produced, self.steps, self.last_accepted = self.produced + n, self.steps + 1, n - 1
+        self.last_drafted = n - 1  # a fake draft: exactly what is accepted
         if e.delay_s:
             time.sleep(e.delay_s)
         return out
