@@ -130,7 +130,8 @@ class Batch:
         t0, rows, e = time.perf_counter(), self.rows, self.engine
         trees = self._propose(rows, max_draft_tokens)
         q = max(len(t) for t in trees)
-        tokens, pos, anc = _pad_trees(trees, q, self.cache.lengths)  # [B,q], [B,q], [B,q,q]
+        tokens, depth, anc = _pad_trees(trees, q)  # [B,q], [B,q], [B,q,q]
+        pos = self.cache.lengths[:, None] + depth  # [B,q]
         self.cache.begin(q)
         mask = self.cache.mask(anc) if len(rows) > 1 or q > 1 else None  # [B,1,q,S]
         any_drafter = any(r.drafter is not None for r in rows)
@@ -144,7 +145,7 @@ class Batch:
                 r.drafter.commit(aux[b:b + 1, path], torch.tensor(new))
             r.n, r.pending = r.n + len(path), bonus
             r.steps, r.last_accepted = r.steps + 1, len(path) - 1
-            r.last_drafted = int(depths(tree.parents).max())
+            r.last_drafted = int(depth[b, :len(tree)].max())
             r.hist[len(new)] += 1
             out.append((r, r.fin.push(new)))
         self.step_s = time.perf_counter() - t0 - self.catch_up_s
@@ -190,8 +191,8 @@ class Batch:
         return int(torch.multinomial(target_probs(logits, r.temperature), 1, generator=r.gen))
 
 
-def _pad_trees(trees: list[Tree], q: int, lengths: torch.Tensor):
-    """Trees of up to q nodes -> tokens [B,q], positions [B,q], ancestors bool [B,q,q].
+def _pad_trees(trees: list[Tree], q: int):
+    """Trees of up to q nodes -> tokens [B,q], depths [B,q], ancestors bool [B,q,q].
     A padding node repeats the root token, sees only itself and is never accepted."""
     B = len(trees)
     tokens = torch.zeros(B, q, dtype=torch.long)
@@ -203,4 +204,4 @@ def _pad_trees(trees: list[Tree], q: int, lengths: torch.Tensor):
         if n > 1:
             depth[b, :n] = depths(t.parents)
             anc[b, :n, :n] = ancestor_matrix(t.parents)
-    return tokens, lengths[:, None] + depth, anc
+    return tokens, depth, anc

@@ -16,11 +16,11 @@ g_1, which every drafting step measures, while h_2 is measured only where it mat
 1 was accepted, mostly code), so a re-measure at k + 1 during code moves it where it matters. Before
 (unconditional g_d), one chat request wrote depths 2-4 off and the policy stayed at k = 1 at batch 1
 through the code requests that followed: 0.80x of plain decoding's decode time where a fixed cap of 4
-gave 0.73x; conditional, 0.74x (demo head, 36 held-out prompts one at a time, 1 thread, session 15). (Means that age, so one fresh
-re-measure replaces a stale value, were tried and dropped: at batch 1 one step is one coin flip, and
-the choice followed the flips down to plain decoding.) Each is a running mean that starts from one
-optimistic pseudo-step (1.0) and averages its first 1/EMA updates, so one unlucky early step cannot
-write a depth off for good.
+gave 0.73x; conditional, 0.74x (demo head, 36 held-out prompts one at a time, 1 thread, session 15).
+(Means that age, so one fresh re-measure replaces a stale value, were tried and dropped: at batch 1
+one step is one coin flip, and the choice followed the flips down to plain decoding.) Each is a
+running mean that starts from one optimistic pseudo-step (1.0) and averages its first 1/EMA updates,
+so one unlucky early step cannot write a depth off for good.
 Cost: per batch-size bucket (1, 2, 3-4, 5-8, 9-16, ...; neighbouring sizes cost about the same per
 sequence), a running least-squares line  c/B = c0 + c1·m  in the deepest draft m of the step's rows
 (drafting runs that many forwards of the head and the verify is padded to the widest row). A cap k is
@@ -30,9 +30,8 @@ cell per k, and the cost of a k never measured in the bucket is predicted rather
 Exploration: a bucket seen for the first time starts from the best k of the nearest measured bucket
 (k_max on the very first step), then, while the drafts' depth has not varied there, a neighbouring
 size, which gives the line a second point; a size is only chosen within one of the sizes measured in
-its bucket, so the range widens step by step. A neighbour of
-the best k is measured again after `explore_every` steps of a bucket, so the choice follows the load
-and the acceptance. A neighbour predicted more than CLOSE_RATE slower doubles the wait before the next
+its bucket, so the range widens step by step. A neighbour of the best k is measured again after
+`explore_every` steps of a bucket, so the choice follows the load and the acceptance. A neighbour predicted more than CLOSE_RATE slower doubles the wait before the next
 re-measure (up to MAX_EXPLORE_GAP steps); a change of choice resets it. Why back off: where one size
 clearly wins (plain decoding at batch 8 on 2 cores) every re-measure is a step at a losing size plus
 the head's catch-up over the steps it skipped, ~10% of throughput at a fixed 1 in 16
@@ -56,10 +55,8 @@ class CostLine:
     def __init__(self):
         self.n = 0
         self.mk = self.my = self.skk = self.sky = 0.0
-        self.k_lo = self.k_hi = -1  # the depths measured span k_lo..k_hi
 
     def add(self, k: float, y: float) -> None:
-        self.k_lo, self.k_hi = (k, k) if self.n == 0 else (min(self.k_lo, k), max(self.k_hi, k))
         if self.n == 0:
             self.mk, self.my = float(k), y
         else:  # exponentially weighted mean and (co)variance, West's incremental form
@@ -72,7 +69,7 @@ class CostLine:
 
     @property
     def ready(self) -> bool:
-        return self.k_hi > self.k_lo and self.skk > 0
+        return self.skk > 0  # two different depths seen (all equal: skk stays exactly 0)
 
     def coef(self) -> tuple[float, float]:
         """(c0, c1); c1 >= 0: a longer draft never costs less (a negative slope is noise)."""
@@ -175,7 +172,8 @@ class DraftSizePolicy:
         drafted = [k] * len(accepted) if drafted is None else drafted
         b = _bucket(batch_size)
         self.hist[k] += 1
-        self.caps[b] = (min(self.caps.get(b, (k, k))[0], k), max(self.caps.get(b, (k, k))[1], k))
+        lo, hi = self.caps.get(b, (k, k))
+        self.caps[b] = (min(lo, k), max(hi, k))
         self.lines.setdefault(b, CostLine()).add(max(drafted, default=0), seconds / batch_size)
         for d in range(1, k + 1):
             parents = [m for m in drafted if m >= d - 1]  # drafts that reached depth d-1
