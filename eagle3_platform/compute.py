@@ -7,6 +7,7 @@ Exact greedy losslessness needs exact arithmetic: tests that assert it pin float
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from pathlib import Path
@@ -68,3 +69,18 @@ def set_threads(threads: int) -> int:
     n = resolve_threads(threads)
     torch.set_num_threads(n)
     return n
+
+
+@contextlib.contextmanager
+def threads(n: int | None):
+    """Run the block on n torch threads (0 = every core; None = as it is), then restore the count.
+    The count is process-wide: switch it only where one thread runs torch (a server's engine thread)."""
+    if n is None:
+        yield
+        return
+    prev = torch.get_num_threads()
+    torch.set_num_threads(resolve_threads(n))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)

@@ -46,8 +46,7 @@ class ServingResource(ConfigurableResource):
         if mode == "embedded":
             compute = compute or {}
             flags = ["--preset", preset] + (["--dtype", compute["dtype"]] if "dtype" in compute else [])
-            if compute.get("torch_threads"):  # 0 = every core: torch's default, so no flag
-                flags += ["--threads", str(compute["torch_threads"])]
+            flags += _thread_flags(compute.get("torch_threads"))
             from eagle3_platform.serve.launch import start_embedded_server
 
             return start_embedded_server(target_dir, draft_dir, host=self.host,
@@ -70,3 +69,11 @@ class ServingResource(ConfigurableResource):
         return SGLangConfig.from_spec(str(target_dir), str(draft_dir) if draft_dir else None,
                                       platform_preset(preset).spec, self.num_steps, self.eagle_topk,
                                       self.num_draft_tokens, host=self.host, port=port or free_port(self.host))
+
+
+def _thread_flags(n: int | None) -> list[str]:
+    """A preset's torch_threads override for `eagle3 serve`: n > 0 pins the head's and the target's
+    threads alike (a shared box); 0 gives the target every core; None keeps the serve preset's."""
+    if n is None:
+        return []
+    return (["--threads", str(n)] if n else []) + ["--target-threads", str(n)]

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from bench_decode import mtbench_prompts  # noqa: E402
 
+from eagle3_platform.compute import threads  # noqa: E402
 from eagle3_platform.data.chat import render_prompt  # noqa: E402
 from eagle3_platform.spec.config import get_preset  # noqa: E402
 from eagle3_platform.spec.engine import SpecEngine  # noqa: E402
@@ -97,7 +98,10 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--fixed", default="", help="fixed draft sizes to compare, e.g. 1,4")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (the servers use 1)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the head and the rest (the servers': 1)")
+    ap.add_argument("--target-threads", type=int, default=None,
+                    help="torch threads of the target's forwards and of hf_generate; 0 = every core "
+                         "(the demo/cpu servers'); default: --threads")
     ap.add_argument("--invariance", action="store_true")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -107,8 +111,8 @@ def main(argv=None) -> int:
     if a.draft:
         from eagle3_platform.draft.export import load_export
         draft = load_export(a.draft, target)
-    base = SpecEngine(target, None, get_preset("baseline"))
-    eagle = SpecEngine(target, draft, get_preset(a.spec)) if draft is not None else None
+    base = SpecEngine(target, None, get_preset("baseline"), a.target_threads)
+    eagle = SpecEngine(target, draft, get_preset(a.spec), a.target_threads) if draft is not None else None
     prompts = [render_prompt(target.tokenizer, first_turn(r)) for r in mtbench_prompts(a.prompts)]
     sizes = [int(s) for s in a.batch_sizes.split(",")]
     fixed = [int(k) for k in a.fixed.split(",") if k]
@@ -125,7 +129,8 @@ def main(argv=None) -> int:
         for _ in range(a.repeats):
             for name, spec in methods.items():
                 if spec is None:
-                    outs, seconds = run_hf(target, base.eos_ids, batch_prompts, a.max_new)
+                    with threads(a.target_threads):  # all of generate is the target's
+                        outs, seconds = run_hf(target, base.eos_ids, batch_prompts, a.max_new)
                     steps, chosen = None, []
                 else:
                     outs, seconds, steps, chosen = run_engine(spec[0], batch_prompts, a.max_new, spec[1], spec[2])

@@ -70,3 +70,21 @@ def test_target_loads_in_the_resolved_dtype_and_records_it(cpu_with, tiny_target
     t = load_target(tiny_target_dir, dtype="auto")
     assert next(t.model.parameters()).dtype is want
     assert t.meta["dtype"] == str(want).removeprefix("torch.")
+
+
+def test_threads_block_runs_on_n_threads_and_restores_the_count():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with compute.threads(2):
+            assert torch.get_num_threads() == 2
+        assert torch.get_num_threads() == 1
+        with compute.threads(0):
+            assert torch.get_num_threads() == compute.resolve_threads(0)
+        with compute.threads(None):
+            assert torch.get_num_threads() == 1
+        with pytest.raises(RuntimeError), compute.threads(2):
+            raise RuntimeError("the count is restored on errors too")
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(old)

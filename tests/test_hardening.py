@@ -335,6 +335,11 @@ def test_non_positive_counts_are_refused(argv, flag, capsys):
     assert f"{flag} must be >= 1" in line
 
 
+def test_negative_target_threads_are_refused(capsys):
+    line = cli_error(capsys, "serve", "--target", "t", "--target-threads", "-1")
+    assert "--target-threads must be >= 0 (0 = every core)" in line
+
+
 def test_same_feature_dir_twice_is_refused(tiny_target_dir, feats, tmp_path, capsys):
     twice = f"{feats},{feats}/"
     line = cli_error(capsys, "train", "--target", tiny_target_dir, "--features", twice, "--out", tmp_path / "te",

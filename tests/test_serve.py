@@ -463,6 +463,20 @@ def test_build_engine_takes_the_head_weights_setting(tiny_target_dir, tiny_expor
     assert isinstance(engine.draft.lm_head, nn.Linear) and meta["spec_config"]["head_weights"] == "native"
 
 
+def test_build_engine_runs_the_target_on_target_threads(tiny_target_dir):
+    from eagle3_platform.compute import resolve_threads
+    from eagle3_platform.serve.config import PRESETS
+    from eagle3_platform.serve.server import build_engine
+
+    engine, _, meta = build_engine(tiny_target_dir, None, "chain", target_threads=0)
+    assert engine.target_threads == 0 and meta["threads"]["target"] == resolve_threads(0)
+    engine, _, meta = build_engine(tiny_target_dir, None, "chain")
+    assert engine.target_threads is None and meta["threads"]["target"] == meta["threads"]["head"]
+    # the loaded server of a sweep takes the cores; tests (tiny) stay on one thread
+    assert PRESETS["demo"].target_threads == PRESETS["cpu"].target_threads == 0
+    assert PRESETS["tiny"].target_threads is None and PRESETS["tiny"].torch_threads == 1
+
+
 def test_real_engine_batched_requests_equal_each_alone(tiny_target_dir, tiny_export):
     """Concurrent greedy requests (mixed prompt lengths and budgets, staggered) through the batching
     server give what each request gives alone (fp32: exact), with the draft size chosen per step."""

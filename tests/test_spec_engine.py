@@ -251,3 +251,28 @@ def test_every_platform_preset_deploys_a_known_spec_preset():
     assert set(SPEC_FOR_PRESET) == set(PRESET_NAMES)
     for name in PRESET_NAMES:
         assert preset(name).spec == PRESETS[SPEC_FOR_PRESET[name]]
+
+
+def test_target_forwards_run_on_target_threads_and_drafting_on_the_callers(target, refs, random_draft):
+    """target_threads=2 in a 1-thread process: every target forward sees 2 threads, the head's drafting
+    and the count after generate() see 1. (Outputs of different thread counts are not compared token
+    for token: a split reduction may flip a near-tie.)"""
+    ids = _ids(target, PROMPTS[0])
+
+    def run(target_threads):
+        engine = SpecEngine(target, random_draft, PRESETS["chain"], target_threads=target_threads)
+        seen = {"target": set(), "draft": set()}
+        hooks = [m.register_forward_pre_hook(lambda *_, k=k: seen[k].add(torch.get_num_threads()))
+                 for k, top in (("target", target.model), ("draft", engine.draft)) for m in top.modules()]
+        try:
+            return engine.generate(ids, MAX_NEW)[0], seen
+        finally:
+            for h in hooks:
+                h.remove()
+
+    ref, seen = run(None)
+    assert seen == {"target": {1}, "draft": {1}}
+    out, seen = run(2)
+    assert seen == {"target": {2}, "draft": {1}}
+    assert torch.get_num_threads() == 1
+    assert ref == refs[PROMPTS[0]][:MAX_NEW] and len(out) == len(ref)

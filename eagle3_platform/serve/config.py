@@ -21,9 +21,13 @@ class ServeConfig:
     retry_after_s: int = 1            # Retry-After header on 503
     disconnect_poll_s: float = 0.5    # how often a waiting request checks that its client is there
     model_name: str | None = None     # /v1/models id; defaults to the target id
-    # torch intra-op threads. On a small CPU box the server shares cores with Locust and a second
-    # (baseline) server: 2 spinning OpenMP threads under contention ran 5-10x slower than 1 thread.
-    torch_threads: int | None = None  # None = torch's default
+    # torch intra-op threads of everything but the target's forwards: the head's drafting is a chain
+    # of small ops that runs slower split across cores. None = torch's default.
+    torch_threads: int | None = None
+    # threads of the target's forwards (prefill, verify); 0 = every core, None = torch_threads. The
+    # Locust sweep runs one endpoint at a time, so the loaded server may take both cores of a 2-core
+    # box: baseline throughput at concurrency 8 went 40.7 -> 59.8 tok/s (README, "Serving threads").
+    target_threads: int | None = None
     dtype: str = "auto"               # compute dtype of target + head (compute.resolve_dtype)
 
     def with_(self, **kw) -> "ServeConfig":
@@ -33,8 +37,10 @@ class ServeConfig:
 PRESETS: dict[str, ServeConfig] = {
     "tiny": ServeConfig(max_tokens=64, default_max_tokens=16, max_queue=32, torch_threads=1,
                         dtype="float32"),  # tests assert exact greedy losslessness (fp32)
-    "demo": ServeConfig(max_tokens=256, default_max_tokens=64, max_queue=64, torch_threads=1),
-    "cpu": ServeConfig(max_tokens=256, default_max_tokens=64, max_queue=64, torch_threads=1),
+    "demo": ServeConfig(max_tokens=256, default_max_tokens=64, max_queue=64, torch_threads=1,
+                        target_threads=0),
+    "cpu": ServeConfig(max_tokens=256, default_max_tokens=64, max_queue=64, torch_threads=1,
+                       target_threads=0),
     "full": ServeConfig(max_tokens=4096, default_max_tokens=256, max_queue=256,
                         shutdown_grace_s=30.0),
 }

@@ -384,11 +384,14 @@ def build_app(engine, tokenizer, cfg: ServeConfig | None = None, *, model_name: 
 
 
 def build_engine(target_dir: str | Path, draft_dir: str | Path | None = None, spec: str = "chain",
-                 dtype: str = "auto", head_weights: str | None = None):
+                 dtype: str = "auto", head_weights: str | None = None, target_threads: int | None = None):
     """The real engine from a prepared target (+ optional exported draft); head_weights overrides the
-    spec preset's (int8 | native). Imports torch lazily."""
+    spec preset's (int8 | native); target_threads: see SpecEngine. Imports torch lazily."""
     from dataclasses import replace
 
+    import torch
+
+    from eagle3_platform.compute import resolve_threads
     from eagle3_platform.spec.config import get_preset
     from eagle3_platform.spec.engine import SpecEngine
     from eagle3_platform.target import load_target
@@ -401,9 +404,13 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path | None = None, sp
     cfg = get_preset(spec if draft is not None else "baseline")
     if head_weights is not None:
         cfg = replace(cfg, head_weights=head_weights)
+    engine = SpecEngine(target, draft, cfg, target_threads)
     info = {"target_id": target.meta.get("target_id"), "draft": draft is not None, "dtype": target.meta["dtype"],
-            "spec": spec if draft is not None else "baseline", "spec_config": cfg.to_dict()}
-    return SpecEngine(target, draft, cfg), target, info
+            "spec": spec if draft is not None else "baseline", "spec_config": cfg.to_dict(),
+            "threads": {"head": torch.get_num_threads(),  # and the rest: sampling, bookkeeping
+                        "target": torch.get_num_threads() if target_threads is None
+                        else resolve_threads(target_threads)}}
+    return engine, target, info
 
 
 class _Server:

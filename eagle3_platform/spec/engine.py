@@ -6,6 +6,11 @@ request alone through the same code, so single-stream and batched output come fr
 
 With a stateful Drafter object (tests) the engine serves one request at a time; with an Eagle3Draft
 each request builds its own drafter state. `last_stats` belongs to the most recently finished stream.
+
+Threads: `target_threads` runs the target's forwards (prefill chunks, verify steps) on more cores than
+the rest. On 2 cores (SmolLM2, bf16, batch 1) a target forward is 1.3x faster on 2 threads, a prefill
+1.85x, but the head's drafting, a chain of small ops, is slower split in two; so the target gets every
+core and the head keeps the caller's count.
 """
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from eagle3_platform.compute import threads
 from eagle3_platform.data.chat import eos_token_ids
 from eagle3_platform.draft.quant import int8_head
 from eagle3_platform.features.capture import forward_capture
@@ -23,8 +29,11 @@ from eagle3_platform.spec.lookup import LookupDrafter
 
 
 class SpecEngine:
-    def __init__(self, target, draft=None, cfg: SpecConfig = PRESETS["chain"]):
+    def __init__(self, target, draft=None, cfg: SpecConfig = PRESETS["chain"],
+                 target_threads: int | None = None):
+        """target_threads: torch threads of the target's forwards (0 = every core; None = the caller's)."""
         self.target, self.model, self.cfg = target, target.model, cfg
+        self.target_threads = target_threads
         self.dtype = next(self.model.parameters()).dtype
         self.draft = draft if cfg.speculative else None
         if isinstance(self.draft, torch.nn.Module):  # the head computes in the target's dtype (bf16 on CPU)
@@ -80,7 +89,8 @@ class SpecEngine:
         `cache` is updated in place. Features only when a draft consumes them."""
         kw = dict(attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
                   logits_to_keep=logits_to_keep)
-        if drafter is None:
-            return self.model(input_ids=ids, **kw).logits, None
-        out = forward_capture(self.model, ids, self.layer_ids, **kw)
+        with threads(self.target_threads):
+            if drafter is None:
+                return self.model(input_ids=ids, **kw).logits, None
+            out = forward_capture(self.model, ids, self.layer_ids, **kw)
         return out.logits, out.aux_hidden
