@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from eagle3_platform.compute import has_native_bf16  # noqa: E402
+from eagle3_platform.compute import has_native_bf16, threads  # noqa: E402
 from eagle3_platform.data.chat import render_prompt  # noqa: E402
 from eagle3_platform.data.local_gen import common_prefix  # noqa: E402
 from eagle3_platform.draft.metrics import acceptance_length  # noqa: E402
@@ -58,13 +58,14 @@ def mtbench_prompts(n: int) -> list:
     return [recs[i] for i in order[:n]]
 
 
-def hf_method(target, eos_ids, **kw):
+def hf_method(target, eos_ids, target_threads=None, **kw):
     @torch.no_grad()
     def run(ids, max_new):
         x = torch.tensor([ids])
-        out = target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
-                                    do_sample=False, eos_token_id=sorted(eos_ids),
-                                    pad_token_id=target.tokenizer.pad_token_id, **kw)
+        with threads(target_threads):  # all of generate is the target's
+            out = target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
+                                        do_sample=False, eos_token_id=sorted(eos_ids),
+                                        pad_token_id=target.tokenizer.pad_token_id, **kw)
         return out[0, len(ids):].tolist(), None
     return run
 
@@ -76,7 +77,7 @@ def engine_method(engine):
     return run
 
 
-def oracle_method(target, refs: dict):
+def oracle_method(target, refs: dict, target_threads=None):
     """The ceiling of the verify machinery: a zero-cost drafter that always proposes what the engine
     will emit. refs[prompt] starts as hf_greedy's output; `settle_oracle` makes it the engine's own
     output (in bf16 a near-tie can flip between a 5-token verify and a 1-token decode, after which
@@ -88,7 +89,7 @@ def oracle_method(target, refs: dict):
     def run(ids, max_new):
         oracle = OracleDrafter(refs[tuple(ids)], target.model.config.vocab_size, cfg.num_steps,
                                siblings=False, always_correct=True)
-        tokens, stats = SpecEngine(target, oracle, cfg).generate(ids, max_new)
+        tokens, stats = SpecEngine(target, oracle, cfg, target_threads).generate(ids, max_new)
         return tokens, dict(stats)
     return run
 
@@ -108,12 +109,13 @@ def settle_oracle(run, refs: dict, prompts: list[list[int]], max_new: int, round
 
 
 def build_methods(target, draft, args, refs: dict, bf16_target=None) -> dict:
-    base = SpecEngine(target, None, PRESETS["baseline"])
-    methods = {"hf_greedy": hf_method(target, base.eos_ids),
-               "hf_prompt_lookup": hf_method(target, base.eos_ids,
+    tt = args.target_threads
+    base = SpecEngine(target, None, PRESETS["baseline"], tt)
+    methods = {"hf_greedy": hf_method(target, base.eos_ids, tt),
+               "hf_prompt_lookup": hf_method(target, base.eos_ids, tt,
                                              prompt_lookup_num_tokens=args.prompt_lookup_tokens)}
     if bf16_target is not None:  # the strongest plain baseline when the run itself is not in bf16
-        methods["hf_greedy_bf16"] = hf_method(bf16_target, base.eos_ids)
+        methods["hf_greedy_bf16"] = hf_method(bf16_target, base.eos_ids, tt)
     methods["engine_baseline"] = engine_method(base)
     if draft is not None:
         for name, weights in itertools.product(args.spec, args.head_weights):
@@ -122,12 +124,12 @@ def build_methods(target, draft, args, refs: dict, bf16_target=None) -> dict:
                 cfg = replace(cfg, min_draft_prob=args.min_draft_prob)
             # the first --head-weights value is unnamed; the others are named (eagle3_chain_native)
             suffix = "" if weights == args.head_weights[0] else f"_{weights}"
-            methods[f"eagle3_{name}{suffix}"] = engine_method(SpecEngine(target, draft, cfg))
+            methods[f"eagle3_{name}{suffix}"] = engine_method(SpecEngine(target, draft, cfg, tt))
             for n in args.lookup_tokens:  # the head's tree + a prompt-lookup branch (spec/lookup.py)
                 methods[f"eagle3_{name}_lookup{n}{suffix}"] = engine_method(
-                    SpecEngine(target, draft, replace(cfg, lookup_tokens=n)))
+                    SpecEngine(target, draft, replace(cfg, lookup_tokens=n), tt))
     if args.oracle:
-        methods["oracle_chain"] = oracle_method(target, refs)
+        methods["oracle_chain"] = oracle_method(target, refs, tt)
     return methods
 
 
@@ -256,6 +258,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared box)")
+    ap.add_argument("--target-threads", type=int, default=None,
+                    help="torch threads of every target forward, HF generate's included; 0 = every core "
+                         "(as the demo/cpu servers run); default: --threads")
     ap.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32: every method runs in it")
     ap.add_argument("--spec", nargs="+", default=["chain", "tree"])
     ap.add_argument("--min-draft-prob", type=float, default=None,
@@ -285,9 +290,11 @@ def main(argv=None) -> int:
     result = {"figures": figures, "config": {**vars(args), "n_prompts": len(prompts),
                                              "dtype": target.meta["dtype"],
                                              "torch_threads": torch.get_num_threads(),
+                                             "target_threads": args.target_threads,
                                              "loadavg": os.getloadavg()},
               "command": " ".join(sys.argv)}
-    print(f"dtype {target.meta['dtype']}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}")
+    print(f"dtype {target.meta['dtype']}, {torch.get_num_threads()} threads (target: "
+          f"{args.target_threads if args.target_threads is not None else 'same'}), load {os.getloadavg()[0]:.2f}")
     for m, f in figures.items():
         print(f"{m:18s} tok/s {f['tok_s_median']:7.2f}  x{f['ratio_vs_hf_greedy_median']:.2f} vs hf_greedy"
               f"  x{f['ratio_vs_best_plain_median']:.2f} vs best plain  tau {f.get('tau', float('nan')):.2f}"
