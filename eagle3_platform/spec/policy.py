@@ -27,6 +27,13 @@ sequence), a running least-squares line  c/B = c0 + c1·m  in the deepest draft 
 predicted to reach E[m] = sum over d <= k of P(some of the B rows drafts depth d). Every step refines
 the line of its bucket, whatever its k, so wall-time noise averages out over all steps instead of one
 cell per k, and the cost of a k never measured in the bucket is predicted rather than paid for.
+Plain decoding (k = 0) is judged by its own steps: a bucket's first re-measure is a plain step, and
+from then on k = 0 is always a candidate, predicted by the running mean of its plain steps rather than
+read off the line. It runs no head at all, so the first depth costs more than the next ones (the head's
+forward, its catch-up, a verify of twice the tokens): a line through all the steps put plain decoding
+above its cost, and since each further depth paid on that line, the walk down one size at a time
+could stall at 1-4. At batch 8 on 2 cores (Locust, c = 8, 60 s) the policy spent 203 of 370 steps at
+k = 1 before it reached 0, which its final line put 13% faster.
 Exploration: a bucket seen for the first time starts from the best k of the nearest measured bucket
 (k_max on the very first step), then, while the drafts' depth has not varied there, a neighbouring
 size, which gives the line a second point; a size is only chosen within one of the sizes measured in
@@ -85,6 +92,7 @@ class DraftSizePolicy:
     def __init__(self, k_max: int, explore_every: int = 16):
         self.k_max, self.explore_every = k_max, explore_every
         self.lines: dict[int, CostLine] = {}  # B bucket -> per-sequence cost line in the depth drafted
+        self.plain: dict[int, float] = {}  # B bucket -> running mean cost per sequence of a plain step
         self.caps: dict[int, tuple[int, int]] = {}  # B bucket -> (lowest, highest) draft size chosen there
         self.depth_drafted: dict[int, float] = {}  # d -> r_d = P(draft reaches d | it reached d-1)
         self.depth_accept: dict[int, float] = {}  # d -> h_d = P(depth d accepted | parent was, drafted)
@@ -122,6 +130,8 @@ class DraftSizePolicy:
         side = 1 if self._re_measures[b] % 2 else -1  # alternate sides, the longer draft first
         side = 1 if k == 0 else -1 if k == self.k_max else side  # at an end: its one neighbour
         other, rates = min(self.k_max, max(0, k + side)), self.rates(batch_size)
+        if b not in self.plain:  # the first re-measure of a bucket is plain decoding itself
+            other = 0
         if rates.get(other, 0.0) < rates[k] * (1 - CLOSE_RATE):  # clearly worse: wait longer next time
             self._gap[b] = min(2 * self._gap[b], MAX_EXPLORE_GAP)
         self._next_explore[b] = n + self._gap[b]
@@ -143,20 +153,25 @@ class DraftSizePolicy:
             total += 1 - (1 - reach) ** batch_size  # P(some row does)
         return total
 
-    def rates(self, batch_size: int, lines: dict | None = None) -> dict[int, float]:
+    def rates(self, batch_size: int, lines: dict | None = None, plain: dict | None = None) -> dict[int, float]:
         """k -> predicted tokens per second and sequence in batch_size's bucket ({} if unmeasured), for
         the sizes measured there and one beyond either end: the line interpolates, it is not trusted
-        far outside what it saw (the verify cost turns convex once a batch's tokens fill the cores)."""
+        far outside what it saw (the verify cost turns convex once a batch's tokens fill the cores).
+        lines/plain: snapshots to read instead of the live tables (a server thread)."""
         b = _bucket(batch_size)
         line = (self.lines if lines is None else lines).get(b)
         if line is None or not line.ready:
             return {}
         lo, hi = self.caps[b]
-        return {k: (1 + self.accepted(k)) / line.predict(self.depth(k, batch_size))
+        cost = {k: line.predict(self.depth(k, batch_size))
                 for k in range(max(0, lo - 1), min(self.k_max, hi + 1) + 1)}
+        plain_cost = (self.plain if plain is None else plain).get(b)
+        if plain_cost is not None:  # measured, so always a candidate: no walk down to it
+            cost[0] = plain_cost
+        return {k: (1 + self.accepted(k)) / c for k, c in sorted(cost.items())}
 
-    def best(self, batch_size: int, lines: dict | None = None) -> int:
-        rates = self.rates(batch_size, lines)
+    def best(self, batch_size: int, lines: dict | None = None, plain: dict | None = None) -> int:
+        rates = self.rates(batch_size, lines, plain)
         if not rates:
             return self.k_max
         k = max(rates, key=rates.get)
@@ -175,6 +190,9 @@ class DraftSizePolicy:
         lo, hi = self.caps.get(b, (k, k))
         self.caps[b] = (min(lo, k), max(hi, k))
         self.lines.setdefault(b, CostLine()).add(max(drafted, default=0), seconds / batch_size)
+        if k == 0:
+            prev = self.plain.get(b)
+            self.plain[b] = seconds / batch_size if prev is None else prev + EMA * (seconds / batch_size - prev)
         for d in range(1, k + 1):
             parents = [m for m in drafted if m >= d - 1]  # drafts that reached depth d-1
             if not parents:
@@ -191,19 +209,21 @@ class DraftSizePolicy:
         means[d] = means.get(d, 1.0) + (x - means.get(d, 1.0)) * max(EMA, 1 / (self._updates[kind, d] + 1))
 
     def info(self) -> dict:
-        """For /server_info: the current choice, steps per draft size, the best k and the cost line
-        (ms per step and sequence: plain decoding, and per depth of the deepest draft) per batch-size
-        bucket, and per depth how often a draft reached it and its token was accepted."""
+        """For /server_info: the current choice, steps per draft size, per batch-size bucket the best k,
+        the cost line (ms per step and sequence: intercept, and per depth of the deepest draft) and
+        plain decoding's measured cost, and per depth how often a draft reached it and its token was
+        accepted."""
         # snapshots (dict() copies in one C call): the engine thread updates these while a server
         # thread reads them
         hist, accept, reach = dict(self.hist), dict(self.depth_accept), dict(self.depth_drafted)
         lines = {b: line for b, line in dict(self.lines).items() if line.ready}
-        gaps = dict(self._gap)
+        plain, gaps = dict(self.plain), dict(self._gap)
         return {"draft_size_current": self.current,
                 "draft_size_hist": {str(k): n for k, n in sorted(hist.items())},
-                "draft_size_by_batch": {str(b): self.best(b, lines) for b in sorted(lines)},
+                "draft_size_by_batch": {str(b): self.best(b, lines, plain) for b in sorted(lines)},
                 "step_cost_ms_by_batch": {str(b): [round(1e3 * c, 3) for c in lines[b].coef()]
                                           for b in sorted(lines)},
+                "plain_step_ms_by_batch": {str(b): round(1e3 * c, 3) for b, c in sorted(plain.items())},
                 "drafted_rate_by_depth": {str(d): round(p, 3) for d, p in sorted(reach.items())},
                 "accept_rate_by_depth": {str(d): round(q, 3) for d, q in sorted(accept.items())},
                 "re_measure_gap_by_batch": {str(b): g for b, g in sorted(gaps.items())}}
