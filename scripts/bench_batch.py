@@ -98,7 +98,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--fixed", default="", help="fixed draft sizes to compare, e.g. 1,4")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads of the head and the rest (the servers': 1)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads of the head and the rest (the servers': 1)")
     ap.add_argument("--target-threads", type=int, default=None,
                     help="torch threads of the target's forwards and of hf_generate; 0 = every core "
                          "(the demo/cpu servers'); default: --threads")

@@ -26,7 +26,7 @@ class ServeConfig:
     torch_threads: int | None = None
     # threads of the target's forwards (prefill, verify); 0 = every core, None = torch_threads. The
     # Locust sweep runs one endpoint at a time, so the loaded server may take both cores of a 2-core
-    # box: baseline throughput at concurrency 8 went 40.7 -> 59.8 tok/s (README, "Serving threads").
+    # box: baseline throughput at concurrency 8 went 40.7 -> 54-62 tok/s (README, "Serving threads").
     target_threads: int | None = None
     dtype: str = "auto"               # compute dtype of target + head (compute.resolve_dtype)
 

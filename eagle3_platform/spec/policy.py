@@ -153,7 +153,8 @@ class DraftSizePolicy:
             total += 1 - (1 - reach) ** batch_size  # P(some row does)
         return total
 
-    def rates(self, batch_size: int, lines: dict | None = None, plain: dict | None = None) -> dict[int, float]:
+    def rates(self, batch_size: int, lines: dict | None = None,
+              plain: dict | None = None) -> dict[int, float]:
         """k -> predicted tokens per second and sequence in batch_size's bucket ({} if unmeasured), for
         the sizes measured there and one beyond either end: the line interpolates, it is not trusted
         far outside what it saw (the verify cost turns convex once a batch's tokens fill the cores).
@@ -189,10 +190,11 @@ class DraftSizePolicy:
         self.hist[k] += 1
         lo, hi = self.caps.get(b, (k, k))
         self.caps[b] = (min(lo, k), max(hi, k))
-        self.lines.setdefault(b, CostLine()).add(max(drafted, default=0), seconds / batch_size)
+        y = seconds / batch_size
+        self.lines.setdefault(b, CostLine()).add(max(drafted, default=0), y)
         if k == 0:
             prev = self.plain.get(b)
-            self.plain[b] = seconds / batch_size if prev is None else prev + EMA * (seconds / batch_size - prev)
+            self.plain[b] = y if prev is None else prev + EMA * (y - prev)
         for d in range(1, k + 1):
             parents = [m for m in drafted if m >= d - 1]  # drafts that reached depth d-1
             if not parents:
