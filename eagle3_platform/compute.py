@@ -79,7 +79,7 @@ def threads(n: int | None):
         yield
         return
     prev = torch.get_num_threads()
-    torch.set_num_threads(resolve_threads(n))
+    set_threads(n)
     try:
         yield
     finally:

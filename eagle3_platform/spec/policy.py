@@ -38,8 +38,9 @@ Exploration: a bucket seen for the first time starts from the best k of the near
 (k_max on the very first step), then, while the drafts' depth has not varied there, a neighbouring
 size, which gives the line a second point; a size is only chosen within one of the sizes measured in
 its bucket, so the range widens step by step. A neighbour of the best k is measured again after
-`explore_every` steps of a bucket, so the choice follows the load and the acceptance. A neighbour predicted more than CLOSE_RATE slower doubles the wait before the next
-re-measure (up to MAX_EXPLORE_GAP steps); a change of choice resets it. Why back off: where one size
+`explore_every` steps of a bucket, so the choice follows the load and the acceptance. A neighbour
+predicted more than CLOSE_RATE slower doubles the wait before the next re-measure (up to
+MAX_EXPLORE_GAP steps); a change of choice resets it. Why back off: where one size
 clearly wins (plain decoding at batch 8 on 2 cores) every re-measure is a step at a losing size plus
 the head's catch-up over the steps it skipped, ~10% of throughput at a fixed 1 in 16
 (scripts/bench_batch.py); where sizes are close, a re-measure costs little and keeps the line honest.
