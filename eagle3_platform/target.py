@@ -96,8 +96,10 @@ def identity(path: str | Path) -> dict:
     return {k: meta[k] for k in ("target_id", "weights_hash", "capture_layer_ids")}
 
 
-def load_target(path: str | Path, dtype: str = "float32", device: str = "cpu") -> Target:
-    """dtype: 'auto' | 'bfloat16' | 'float32' (compute.resolve_dtype); recorded in meta['dtype']."""
+def load_target(path: str | Path, dtype: str = "float32", device: str = "cpu", pack: bool = True) -> Target:
+    """dtype: 'auto' | 'bfloat16' | 'float32' (compute.resolve_dtype); recorded in meta['dtype'].
+    pack: on CPU, the linear layers on oneDNN's packed layout (packed_linear.py; False = torch's
+    row-major kernels, for A/B); meta['packed_linears'] counts them."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = resolve_dtype(dtype, device)
@@ -105,13 +107,17 @@ def load_target(path: str | Path, dtype: str = "float32", device: str = "cpu") -
     if not (path / META_FILE).exists():
         raise FileNotFoundError(f"{path} is not a prepared target; run `eagle3 prepare-target`")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+    packed = 0
     if device == "cpu":
         from eagle3_platform.attention import use_grouped_decode
+        from eagle3_platform.packed_linear import pack_linears
         use_grouped_decode(model)
+        packed = pack_linears(model) if pack else 0
     tok = AutoTokenizer.from_pretrained(path)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    return Target(model=model, tokenizer=tok, meta={**read_meta(path), "dtype": dtype})
+    return Target(model=model, tokenizer=tok,
+                  meta={**read_meta(path), "dtype": dtype, "packed_linears": packed})
 
 
 def _describe(path: Path, model: str, source_hash: str) -> dict:

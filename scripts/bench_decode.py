@@ -1,7 +1,10 @@
 """Decode speed, batch 1, T=0, on held-out MT-bench prompts (first turn; one per category by default).
 
 Methods, interleaved per prompt within every repeat so machine-load drift hits all of them alike:
-  hf_greedy         transformers `generate`, greedy, in --dtype (the reference for ratios)
+  hf_greedy         transformers `generate`, greedy, in --dtype, on the target as load_target gives it
+                    (linear layers oneDNN-packed on CPU, as every engine row runs): the reference
+  hf_greedy_stock   the same on the stock model (torch's row-major linear kernels): what `generate`
+                    gives a user who loads the checkpoint with transformers alone
   hf_greedy_bf16    the same in bf16 when --dtype is not bf16 and the CPU has it (strongest plain baseline)
   hf_prompt_lookup  transformers `generate(prompt_lookup_num_tokens=...)`, greedy
   engine_baseline   SpecEngine without a draft (plain KV-cached decoding through the engine)
@@ -108,7 +111,7 @@ def settle_oracle(run, refs: dict, prompts: list[list[int]], max_new: int, round
     return unsettled
 
 
-def build_methods(target, draft, args, refs: dict, bf16_target=None) -> dict:
+def build_methods(target, draft, args, refs: dict, bf16_target=None, stock_target=None) -> dict:
     tt = args.target_threads
     base = SpecEngine(target, None, PRESETS["baseline"], tt)
     methods = {"hf_greedy": hf_method(target, base.eos_ids, tt),
@@ -116,6 +119,8 @@ def build_methods(target, draft, args, refs: dict, bf16_target=None) -> dict:
                                              prompt_lookup_num_tokens=args.prompt_lookup_tokens)}
     if bf16_target is not None:  # the strongest plain baseline when the run itself is not in bf16
         methods["hf_greedy_bf16"] = hf_method(bf16_target, base.eos_ids, tt)
+    if stock_target is not None:
+        methods["hf_greedy_stock"] = hf_method(stock_target, base.eos_ids, tt)
     methods["engine_baseline"] = engine_method(base)
     if draft is not None:
         for name, weights in itertools.product(args.spec, args.head_weights):
@@ -278,13 +283,14 @@ def main(argv=None) -> int:
     bf16_target = None
     if target.meta["dtype"] != "bfloat16" and has_native_bf16():
         bf16_target = load_target(args.target, dtype="bfloat16")
+    stock_target = load_target(args.target, dtype=args.dtype, pack=False) if target.meta["packed_linears"] else None
     draft = None
     if args.draft:
         from eagle3_platform.draft.export import load_export
         draft = load_export(args.draft, target)
     prompts = load_prompt_ids(args, target.tokenizer)
     refs: dict = {}
-    methods = build_methods(target, draft, args, refs, bf16_target)
+    methods = build_methods(target, draft, args, refs, bf16_target, stock_target)
     warm_up(methods, prompts, args, refs)
     figures = bench(methods, prompts, args, target)
     result = {"figures": figures, "config": {**vars(args), "n_prompts": len(prompts),

@@ -1,4 +1,4 @@
-"""Weight-only int8 head (draft/quant.py): the math, which layers it takes, and that the engine stays lossless."""
+"""Head weights at inference (draft/quant.py): int8 math, which layers it takes, the packed copy, and that the engine stays lossless."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from eagle3_platform.draft.quant import INT8_MAX_ROWS, Int8Linear, int8_head
+from eagle3_platform.draft.quant import INT8_MAX_ROWS, Int8Linear, int8_head, packed_head
+from eagle3_platform.packed_linear import PackedLinear, packing_available
 from eagle3_platform.spec.config import PRESETS, SpecConfig
 from eagle3_platform.spec.engine import SpecEngine
 from eagle3_platform.testing.spec import VariedTargetConfig, random_draft, varied_target
@@ -73,18 +74,36 @@ def test_head_weights_setting_is_validated():
         SpecConfig(head_weights="int4")
 
 
+@pytest.mark.skipif(not packing_available(), reason="torch built without oneDNN")
+def test_packed_head_is_a_copy_with_the_same_logits():
+    target = varied_target(None, VariedTargetConfig(vocab_size=96))
+    draft = random_draft(target, 64)
+    packed = packed_head(draft)
+    assert isinstance(packed.lm_head, PackedLinear) and isinstance(packed.midlayer.mlp.down_proj, PackedLinear)
+    assert isinstance(draft.lm_head, nn.Linear)  # the original untouched
+    assert packed.embed_tokens is draft.embed_tokens and packed.d2t is draft.d2t
+    aux = torch.randn(1, 3, 3 * draft.cfg.hidden_size)
+    h = torch.randn(1, 1, draft.cfg.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(packed.logits(h), draft.logits(h), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(packed.project(aux), draft.project(aux), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("preset", ["chain", "tree"])
-def test_engine_is_lossless_with_the_int8_and_the_native_head(tiny_target, preset):
-    """fp32 target: output equals plain greedy decoding with either head; the int8 engine's copy of the
-    head is quantized, the native engine's is not."""
+def test_engine_is_lossless_with_the_int8_the_packed_and_the_native_head(tiny_target, preset):
+    """fp32 target: output equals plain greedy decoding with any head; the int8 engine's copy of the
+    head is quantized, the packed engine's is on oneDNN's layout, the native engine's is neither."""
     target = varied_target(tiny_target)
     draft = random_draft(target, 64)
     ids = target.tokenizer("a b c d e f")["input_ids"]
     plain, _ = SpecEngine(target, None, PRESETS["baseline"]).generate(ids, 16)
-    int8_engine = SpecEngine(target, draft, PRESETS[preset])
+    int8_engine = SpecEngine(target, draft, replace(PRESETS[preset], head_weights="int8"))
     native_engine = SpecEngine(target, draft, replace(PRESETS[preset], head_weights="native"))
     assert isinstance(int8_engine.draft.lm_head, Int8Linear)
+    packed_engine = SpecEngine(target, draft, replace(PRESETS[preset], head_weights="packed"))
     assert isinstance(native_engine.draft.lm_head, nn.Linear)
-    for engine in (int8_engine, native_engine):
+    if packing_available():
+        assert isinstance(packed_engine.draft.lm_head, PackedLinear)
+    for engine in (int8_engine, packed_engine, native_engine):
         out, stats = engine.generate(ids, 16)
         assert out == plain and stats["verify_steps"] >= 1

@@ -455,9 +455,13 @@ def test_build_engine_takes_the_head_weights_setting(tiny_target_dir, tiny_expor
     from torch import nn
 
     from eagle3_platform.draft.quant import Int8Linear
+    from eagle3_platform.packed_linear import PackedLinear, packing_available
     from eagle3_platform.serve.server import build_engine
 
     engine, _, meta = build_engine(tiny_target_dir, tiny_export, "chain")
+    assert meta["spec_config"]["head_weights"] == "packed"
+    assert isinstance(engine.draft.lm_head, PackedLinear if packing_available() else nn.Linear)
+    engine, _, meta = build_engine(tiny_target_dir, tiny_export, "chain", head_weights="int8")
     assert isinstance(engine.draft.lm_head, Int8Linear) and meta["spec_config"]["head_weights"] == "int8"
     engine, _, meta = build_engine(tiny_target_dir, tiny_export, "chain", head_weights="native")
     assert isinstance(engine.draft.lm_head, nn.Linear) and meta["spec_config"]["head_weights"] == "native"

@@ -201,7 +201,7 @@ class Eagle3Draft(nn.Module):
         return self.embed_tokens(input_ids)
 
     def project(self, aux_hidden):         # [B,T,3H] -> [B,T,H]
-        return self.fc(aux_hidden.to(self.fc.weight.dtype))
+        return self.fc(aux_hidden.to(self.embed_tokens.weight.dtype))  # the weights' dtype (all cast alike)
 
     def rope(self, x, position_ids):       # position_ids [B,T] -> cos, sin [B,T,hd] in x's dtype
         return self.rotary(x, position_ids)

@@ -10,6 +10,11 @@ x @ (q * s)^T, so a token's draft does not depend on the path. Output stays loss
 verifies every draft token; only which tokens get drafted can change. Measured with the cpu head
 (scripts/bench_decode.py, bf16, 1 thread): τ 1.28 either way, a fixed chain step 1.31 -> 1.23 plain
 decode steps, 0.95x -> 1.01x of HF greedy.
+
+`packed_head` is the other option, now the default: bf16 weights on oneDNN's blocked layout
+(packed_linear.py). With the target's 270 MB streaming between draft forwards, it reads the head's
+lm_head faster than the int8 GEMV does (1 thread, weights out of cache: 700 vs 930 us at 1 row, 793
+vs 1598 us at 8 rows); int8 stays selectable (`head_weights="int8"`).
 """
 from __future__ import annotations
 
@@ -56,11 +61,22 @@ class Int8Linear(nn.Module):
 def int8_head(draft: nn.Module) -> nn.Module:
     """A copy of the head whose Linear layers hold int8 weights (where the kernel supports them); the
     frozen embedding, RoPE and vocab maps are shared with `draft`, which is left as it was."""
-    quantized = copy.copy(draft)
-    quantized._modules = {name: m if name in ("embed_tokens", "rotary") else copy.deepcopy(m)
-                          for name, m in draft._modules.items()}
-    for module in list(quantized.modules()):
+    return _head_copy(draft, lambda lin: Int8Linear(lin) if int8_supported(lin) else lin)
+
+
+def packed_head(draft: nn.Module) -> nn.Module:
+    """A copy of the head on oneDNN-packed weights (packed_linear.py), `draft` left as it was."""
+    from eagle3_platform.packed_linear import PackedLinear, packing_available
+
+    return _head_copy(draft, PackedLinear if packing_available() else (lambda lin: lin))
+
+
+def _head_copy(draft: nn.Module, swap) -> nn.Module:
+    copied = copy.copy(draft)
+    copied._modules = {name: m if name in ("embed_tokens", "rotary") else copy.deepcopy(m)
+                       for name, m in draft._modules.items()}
+    for module in list(copied.modules()):
         for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and int8_supported(child):
-                setattr(module, name, Int8Linear(child))
-    return quantized
+            if isinstance(child, nn.Linear):
+                setattr(module, name, swap(child))
+    return copied

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-HEAD_WEIGHTS = ("int8", "native")
+HEAD_WEIGHTS = ("int8", "packed", "native")
 
 
 @dataclass(frozen=True)
@@ -30,9 +30,12 @@ class SpecConfig:
     lookup_tokens: int = 0
     lookup_ngram: int = 3
     # The head's weights in the embedded CPU engine (draft/quant.py; not an SGLang flag): "int8" reads
-    # half the bytes per draft forward (a batch-1 draft step is bound by weight reads), "native" keeps
-    # the head's dtype. Output is lossless either way: only the drafted tokens may differ.
-    head_weights: str = "int8"
+    # half the bytes per draft forward (a batch-1 draft step is bound by weight reads), "packed" keeps
+    # the head's dtype on oneDNN's blocked layout (packed_linear.py), "native" keeps it as trained.
+    # Output is lossless in every case: only the drafted tokens may differ. "packed" is the default:
+    # with the target packed too, it drafts the fastest (demo head, bf16: a step 1.18 vs 1.21 plain
+    # decode steps with int8; 1.35x vs 1.32x HF greedy, the same run).
+    head_weights: str = "packed"
 
     def __post_init__(self):
         if self.num_steps < 0 or self.eagle_topk < 0 or self.num_draft_tokens < 1:

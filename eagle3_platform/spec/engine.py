@@ -20,7 +20,7 @@ import torch
 
 from eagle3_platform.compute import threads
 from eagle3_platform.data.chat import eos_token_ids
-from eagle3_platform.draft.quant import int8_head
+from eagle3_platform.draft.quant import int8_head, packed_head
 from eagle3_platform.features.capture import forward_capture
 from eagle3_platform.spec.batch import Batch
 from eagle3_platform.spec.config import PRESETS, SpecConfig
@@ -40,6 +40,8 @@ class SpecEngine:
             self.draft = self.draft.cast_parameters(self.dtype)
             if cfg.head_weights == "int8":  # a copy: engines with other settings may share `draft`
                 self.draft = int8_head(self.draft)
+            elif cfg.head_weights == "packed":
+                self.draft = packed_head(self.draft)
         # the head reads the layers it was trained on (its config), else the target's capture layers
         head_layers = getattr(getattr(draft, "cfg", None), "aux_layer_ids", None)
         self.layer_ids = list(head_layers or target.meta["capture_layer_ids"])

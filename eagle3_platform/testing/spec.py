@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from eagle3_platform.draft.model import DraftConfig, Eagle3Draft
+from eagle3_platform.packed_linear import pack_linears
 from eagle3_platform.target import Target, capture_layer_ids
 
 
@@ -23,8 +24,10 @@ class VariedTargetConfig:
     seed: int = 0
 
 
-def varied_target(base: Target | None, cfg: VariedTargetConfig = VariedTargetConfig()) -> Target:
-    """An in-memory Llama with base's config/tokenizer (or a bare config when base is None)."""
+def varied_target(base: Target | None, cfg: VariedTargetConfig = VariedTargetConfig(),
+                  pack: bool = True) -> Target:
+    """An in-memory Llama with base's config/tokenizer (or a bare config when base is None); its linear
+    layers packed as load_target packs them (pack=False: torch's row-major kernels)."""
     from transformers import LlamaForCausalLM
 
     from eagle3_platform.target import tiny_config
@@ -39,7 +42,8 @@ def varied_target(base: Target | None, cfg: VariedTargetConfig = VariedTargetCon
         hf.eos_token_id = hf.bos_token_id = hf.pad_token_id = None
     torch.manual_seed(cfg.seed)
     model = LlamaForCausalLM(hf).eval()
-    meta = {"target_id": f"varied-{cfg.seed}", "num_hidden_layers": hf.num_hidden_layers,
+    packed = pack_linears(model) if pack else 0
+    meta = {"packed_linears": packed, "target_id": f"varied-{cfg.seed}", "num_hidden_layers": hf.num_hidden_layers,
             "hidden_size": hf.hidden_size, "vocab_size": hf.vocab_size,
             "capture_layer_ids": [min(max(i, 0), hf.num_hidden_layers - 1)  # valid for any depth
                                   for i in capture_layer_ids(hf.num_hidden_layers)]}

@@ -1,0 +1,57 @@
+"""oneDNN-packed linear layers: same outputs as nn.Linear (within rounding), swapped in by load_target."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from eagle3_platform.packed_linear import PackedLinear, pack_linears, packing_available
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="torch built without oneDNN")
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_linear(dtype, bias):
+    torch.manual_seed(0)
+    lin = nn.Linear(48, 80, bias=bias).to(dtype)
+    packed = PackedLinear(lin)
+    x = torch.randn(3, 7, 48, dtype=dtype)
+    with torch.inference_mode():
+        for inp in (x, x[:, 2:5], x[:, -1:], x.transpose(0, 1)):  # 3-D, sliced and transposed views
+            torch.testing.assert_close(packed(inp).float(), lin(inp).float(), **TOL[dtype])
+    assert packed(x).shape == (3, 7, 80)
+
+
+def test_pack_linears_swaps_every_linear_and_keeps_state_dict_clean(tiny_target_dir):
+    from eagle3_platform.target import load_target
+
+    plain = load_target(tiny_target_dir, pack=False)
+    packed = load_target(tiny_target_dir)
+    n_linear = sum(type(m) is nn.Linear for m in plain.model.modules())
+    assert plain.meta["packed_linears"] == 0
+    assert packed.meta["packed_linears"] == n_linear > 0
+    assert not any(type(m) is nn.Linear for m in packed.model.modules())
+    # the opaque packed weights are neither parameters nor state: checkpoints and .to() never see them
+    assert all(not t.is_mkldnn for t in packed.model.state_dict().values())
+    ids = torch.randint(0, plain.model.config.vocab_size, (2, 24))
+    with torch.inference_mode():
+        torch.testing.assert_close(packed.model(ids).logits, plain.model(ids).logits, **TOL[torch.float32])
+
+
+def test_packed_model_logits_match_row_major_in_bf16(tiny_target_dir):
+    """Packing changes the kernel, not the arithmetic: a bf16 model's logits agree within rounding."""
+    from eagle3_platform.target import load_target
+    from eagle3_platform.testing.spec import VariedTargetConfig, varied_target
+
+    base = load_target(tiny_target_dir, pack=False)
+    plain = varied_target(base, VariedTargetConfig(seed=3), pack=False).model.to(torch.bfloat16)
+    packed = type(plain)(plain.config).to(torch.bfloat16).eval()
+    packed.load_state_dict(plain.state_dict())
+    assert pack_linears(packed) > 0
+    ids = torch.randint(0, plain.config.vocab_size, (2, 16))
+    with torch.inference_mode():
+        a, b = plain(ids).logits.float(), packed(ids).logits.float()
+    assert (a - b).abs().max() <= 2e-2 * a.abs().max()
