@@ -1,6 +1,7 @@
 """Regeneration throughput through `regenerate_file`: a preset's path vs a reference path.
 
-Reference `turn1_demo_path` (default): fp32, batches of 8, 1 torch thread; the preset's path is its
+Reference `turn1_demo_path` (default): fp32, batches of 8, 1 torch thread, torch's row-major linear
+kernels (the path before packed_linear.py); the preset's path is its
 dtype (auto = bf16 where the CPU has it), length-planned batches and its thread count. With
 `--reference no_cache_reuse`: the preset's path with every turn re-prefilling its history (multi-turn
 KV cache reuse off). Same prompts (train prompts of `--workload` from `eagle3 sources`), same greedy
@@ -65,7 +66,7 @@ def main() -> None:
         new = replace(new, max_new_tokens=a.max_new_tokens)
     ref = a.reference
     if ref == "turn1_demo_path":
-        old = replace(new, dtype="float32", batch_size=8, torch_threads=1)
+        old = replace(new, dtype="float32", batch_size=8, torch_threads=1, packed_linears=False)
     else:
         old = replace(new, reuse_turn_cache=False)
     work = Path(tempfile.mkdtemp(prefix="bench-regen-"))

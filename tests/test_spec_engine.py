@@ -253,16 +253,37 @@ def test_every_platform_preset_deploys_a_known_spec_preset():
         assert preset(name).spec == PRESETS[SPEC_FOR_PRESET[name]]
 
 
-def test_target_forwards_run_on_target_threads_and_drafting_on_the_callers(target, refs, random_draft):
-    """target_threads=2 in a 1-thread process: every target forward sees 2 threads, the head's drafting
-    and the count after generate() see 1. (Outputs of different thread counts are not compared token
-    for token: a split reduction may flip a near-tie.)"""
+def test_target_forwards_run_on_target_threads_and_drafting_on_the_callers(target, refs, random_draft,
+                                                                          monkeypatch):
+    """target_threads=2 in a 1-thread process: every target forward sees 2 threads, and so does the
+    head's catch-up over a prompt (prefill-like work); the head's drafting and the count after
+    generate() see 1. (Outputs of different thread counts are not compared token for token: a split
+    reduction may flip a near-tie.)"""
+    from eagle3_platform.spec.drafter import EagleDrafter
+
     ids = _ids(target, PROMPTS[0])
+    in_catch_up = [False]
+    catch_up = EagleDrafter.catch_up
+
+    def flagged_catch_up(self):
+        in_catch_up[0] = True
+        try:
+            catch_up(self)
+        finally:
+            in_catch_up[0] = False
+
+    monkeypatch.setattr(EagleDrafter, "catch_up", flagged_catch_up)
 
     def run(target_threads):
         engine = SpecEngine(target, random_draft, PRESETS["chain"], target_threads=target_threads)
-        seen = {"target": set(), "draft": set()}
-        hooks = [m.register_forward_pre_hook(lambda *_, k=k: seen[k].add(torch.get_num_threads()))
+        seen = {"target": set(), "draft": set(), "catch_up": set()}
+
+        def record(kind):
+            def hook(*_):
+                seen["catch_up" if kind == "draft" and in_catch_up[0] else kind].add(torch.get_num_threads())
+            return hook
+
+        hooks = [m.register_forward_pre_hook(record(k))
                  for k, top in (("target", target.model), ("draft", engine.draft)) for m in top.modules()]
         try:
             return engine.generate(ids, MAX_NEW)[0], seen
@@ -271,8 +292,8 @@ def test_target_forwards_run_on_target_threads_and_drafting_on_the_callers(targe
                 h.remove()
 
     ref, seen = run(None)
-    assert seen == {"target": {1}, "draft": {1}}
+    assert seen == {"target": {1}, "draft": {1}, "catch_up": {1}}
     out, seen = run(2)
-    assert seen == {"target": {2}, "draft": {1}}
+    assert seen == {"target": {2}, "draft": {1}, "catch_up": {2}}
     assert torch.get_num_threads() == 1
     assert ref == refs[PROMPTS[0]][:MAX_NEW] and len(out) == len(ref)

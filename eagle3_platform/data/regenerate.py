@@ -60,6 +60,9 @@ class RegenConfig:
     # local multi-turn: keep each conversation's KV cache between turns (False re-prefills the whole
     # history every turn: same answers up to rounding, for benchmarks)
     reuse_turn_cache: bool = True
+    # local: the target's linear layers on oneDNN's packed layout (packed_linear.py; False = torch's
+    # row-major kernels, bench_regen's reference path)
+    packed_linears: bool = True
     request_timeout_s: float = 600.0
     max_retries: int = 5
     backoff_s: float = 0.5
@@ -387,7 +390,7 @@ def run_local(target_dir, convos: list[Convo], turns: Turns, cfg: RegenConfig, d
     if all(c.rec.id in done for c in live):
         return
     set_threads(cfg.torch_threads)
-    target = load_target(target_dir, dtype=cfg.dtype)
+    target = load_target(target_dir, dtype=cfg.dtype, pack=cfg.packed_linears)
     lengths = {c.rec.id: len(render_prompt(turns.tok, c.segments[0])) for c in live}
     plan = sorted(live, key=lambda c: lengths[c.rec.id])  # stable
     budget = min(cfg.batch_tokens, kv_token_budget(target.model))

@@ -20,6 +20,7 @@ from typing import Sequence
 
 import torch
 
+from eagle3_platform.compute import threads
 from eagle3_platform.draft.metrics import acceptance_length
 from eagle3_platform.kv_cache import GrowingCache
 from eagle3_platform.spec.drafter import propose_all
@@ -166,11 +167,13 @@ class Batch:
         """Every row's draft tree (its pending root alone where there is no draft this step)."""
         trees = [root_only(r.pending) for r in rows]
         drafting = [b for b, r in enumerate(rows) if r.drafter is not None and max_draft_tokens != 0]
-        # an Eagle head's backlog first, timed apart (test drafters have none)
+        # an Eagle head's backlog first, timed apart (test drafters have none); prefill-like, so on the
+        # target's threads (a 1000-token prompt through the demo head: 84 ms on 1 thread, 45 on 2)
         catch_ups = [rows[b].drafter.catch_up for b in drafting if hasattr(rows[b].drafter, "catch_up")]
         t0 = time.perf_counter()
-        for catch_up in catch_ups:
-            catch_up()
+        with threads(self.engine.target_threads if catch_ups else None):
+            for catch_up in catch_ups:
+                catch_up()
         self.catch_up_s = time.perf_counter() - t0 if catch_ups else 0.0
         proposed = propose_all([rows[b].drafter for b in drafting], [rows[b].pending for b in drafting],
                                max_draft_tokens)

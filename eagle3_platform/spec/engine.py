@@ -7,10 +7,10 @@ request alone through the same code, so single-stream and batched output come fr
 With a stateful Drafter object (tests) the engine serves one request at a time; with an Eagle3Draft
 each request builds its own drafter state. `last_stats` belongs to the most recently finished stream.
 
-Threads: `target_threads` runs the target's forwards (prefill chunks, verify steps) on more cores than
-the rest. On 2 cores (SmolLM2, bf16, batch 1) a target forward is 1.3x faster on 2 threads, a prefill
-1.85x, but the head's drafting, a chain of small ops, is slower split in two; so the target gets every
-core and the head keeps the caller's count.
+Threads: `target_threads` runs the target's forwards (prefill chunks, verify steps) and the head's
+catch-up over a prompt on more cores than the rest. On 2 cores (SmolLM2, bf16, batch 1) a target
+forward is 1.3x faster on 2 threads, a prefill 1.85x, but the head's drafting, a chain of small ops,
+is slower split in two; so the prefill-like work gets every core and drafting keeps the caller's count.
 """
 from __future__ import annotations
 
