@@ -283,7 +283,9 @@ def main(argv=None) -> int:
     bf16_target = None
     if target.meta["dtype"] != "bfloat16" and has_native_bf16():
         bf16_target = load_target(args.target, dtype="bfloat16")
-    stock_target = load_target(args.target, dtype=args.dtype, pack=False) if target.meta["packed_linears"] else None
+    stock_target = None  # HF generate on torch's row-major kernels, where the target is packed
+    if target.meta["packed_linears"]:
+        stock_target = load_target(args.target, dtype=args.dtype, pack=False)
     draft = None
     if args.draft:
         from eagle3_platform.draft.export import load_export

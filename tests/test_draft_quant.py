@@ -1,4 +1,5 @@
-"""Head weights at inference (draft/quant.py): int8 math, which layers it takes, the packed copy, and that the engine stays lossless."""
+"""Head weights at inference (draft/quant.py): the int8 math and the layers it takes, the packed copy,
+and that the engine stays lossless with either."""
 from __future__ import annotations
 
 from dataclasses import replace

@@ -43,8 +43,8 @@ def varied_target(base: Target | None, cfg: VariedTargetConfig = VariedTargetCon
     torch.manual_seed(cfg.seed)
     model = LlamaForCausalLM(hf).eval()
     packed = pack_linears(model) if pack else 0
-    meta = {"packed_linears": packed, "target_id": f"varied-{cfg.seed}", "num_hidden_layers": hf.num_hidden_layers,
-            "hidden_size": hf.hidden_size, "vocab_size": hf.vocab_size,
+    meta = {"target_id": f"varied-{cfg.seed}", "num_hidden_layers": hf.num_hidden_layers,
+            "hidden_size": hf.hidden_size, "vocab_size": hf.vocab_size, "packed_linears": packed,
             "capture_layer_ids": [min(max(i, 0), hf.num_hidden_layers - 1)  # valid for any depth
                                   for i in capture_layer_ids(hf.num_hidden_layers)]}
     return Target(model=model, tokenizer=base.tokenizer if base is not None else None, meta=meta)
