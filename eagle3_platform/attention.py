@@ -7,6 +7,11 @@ query heads by their key/value head instead makes a step two batched matmuls ove
 (SmolLM2 bf16, 2 threads, batch 64 over 400 cached tokens: 135 ms per step vs 447 ms sdpa, 257 ms
 eager). Verifying a draft (a few query tokens under a tree mask) is grouped the same way: sdpa would
 copy every key/value head first. Maskless multi-token queries (causal prefill) go to sdpa unchanged.
+
+Rows of a continuous batch have different lengths (spec/ragged.py). Given `row_groups` (contiguous
+rows of similar length, each with its own span), attention runs per group over that span only, so
+one long prompt does not make every row attend over its length (B 8, one 1000-token row among
+150-token ones: the padded span costs ~4x the attended pairs).
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ MAX_GROUPED_QUERY = 64  # verification trees are ~5-16 tokens; longer queries ar
 
 
 def grouped_decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                             **kwargs):
+                             row_groups=None, **kwargs):
     """transformers' attention-function signature -> (out [B,q,H,d], None).
 
     Grouped when q is one token, or a few tokens under an explicit mask (draft verification: the tree
@@ -29,20 +34,38 @@ def grouped_decode_attention(module, query, key, value, attention_mask, scaling=
     if H % kv or (q > 1 and (attention_mask is None or q > MAX_GROUPED_QUERY)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
-    return grouped_attention(query, key, value, attention_mask, scaling).transpose(1, 2), None
+    return grouped_attention(query, key, value, attention_mask, scaling, row_groups).transpose(1, 2), None
 
 
-def grouped_attention(query, key, value, mask=None, scaling=None):
+def grouped_attention(query, key, value, mask=None, scaling=None, row_groups=None):
     """query [B,H,q,d], key/value [B,kv,S,d], mask bool (True = attend) or additive [B|1,1,q,S'] with
     S' >= S, or None (every query sees every key) -> out [B,H,q,d]. Head h reads key/value head
-    h // (H/kv), as repeat_kv does, without copying the cache. Softmax in fp32."""
+    h // (H/kv), as repeat_kv does, without copying the cache. Softmax in fp32.
+    row_groups: [(start, stop, span)] covering rows 0..B-1; rows start..stop-1 attend over slots
+    [0, span) only (the mask must hide everything of theirs beyond it)."""
+    B, H, q, d = query.shape
+    r = H // key.shape[1]
+    scale = d ** -0.5 if scaling is None else scaling
+    bias = None if mask is None else _grouped_bias(mask, r, key.shape[-2])  # [B|1,1,r*q,S]
+    if not row_groups or len(row_groups) == 1:
+        return _attend(query, key, value, bias, scale)
+    out = query.new_empty(B, H, q, d)
+    for a, b, span in row_groups:  # views: rows a..b-1, slots 0..span-1
+        group_bias = None
+        if bias is not None:
+            group_bias = (bias[a:b] if bias.shape[0] > 1 else bias)[..., :span]
+        out[a:b] = _attend(query[a:b], key[a:b, :, :span], value[a:b, :, :span], group_bias, scale)
+    return out
+
+
+def _attend(query, key, value, bias, scale: float):
+    """query [B,H,q,d], key/value [B,kv,S,d], bias additive fp32 [B|1,1,r*q,S] or None -> [B,H,q,d]."""
     B, H, q, d = query.shape
     kv = key.shape[1]
-    r = H // kv
-    qg = query.reshape(B, kv, r * q, d)  # [B,kv,r*q,d]: row i*q+j is query token j of head i
-    scores = _scores(qg, key).float() * (d ** -0.5 if scaling is None else scaling)  # [B,kv,r*q,S]
-    if mask is not None:
-        scores = scores + _grouped_bias(mask, r, key.shape[-2])
+    qg = query.reshape(B, kv, H // kv * q, d)  # [B,kv,r*q,d]: row i*q+j is query token j of head i
+    scores = _scores(qg, key).float() * scale  # [B,kv,r*q,S]
+    if bias is not None:
+        scores = scores + bias
     weights = torch.softmax(scores, dim=-1).to(value.dtype)  # [B,kv,r*q,S]
     return torch.matmul(weights, value).reshape(B, H, q, d)
 

@@ -12,7 +12,7 @@ import torch
 from eagle3_platform.kv_cache import GrowingCache
 from eagle3_platform.spec.config import PRESETS, SpecConfig
 from eagle3_platform.spec.engine import SpecEngine
-from eagle3_platform.spec.ragged import RaggedCache
+from eagle3_platform.spec.ragged import RaggedCache, row_groups
 from eagle3_platform.testing.oracle import OracleDrafter
 from eagle3_platform.testing.spec import VariedTargetConfig, random_draft, varied_target
 from tests.test_spec_engine import MAX_NEW, PROMPTS, _ids, hf_greedy, target  # noqa: F401 (fixture)
@@ -70,8 +70,13 @@ def _oracle_engine(target, refs, cfg, order):
     return engine
 
 
+@pytest.mark.parametrize("group_overhead", [None, 0])
 @pytest.mark.parametrize("kind", ["baseline", "chain", "tree", "oracle_chain", "oracle_tree"])
-def test_batched_greedy_equals_target_greedy_whatever_the_batch(target, refs, kind):
+def test_batched_greedy_equals_target_greedy_whatever_the_batch(target, refs, kind, group_overhead,
+                                                                 monkeypatch):
+    """group_overhead 0: rows of different lengths attend over their own spans (row groups)."""
+    if group_overhead is not None:
+        monkeypatch.setattr(RaggedCache, "group_overhead", group_overhead)
     order = PROMPTS + [LONG] + PROMPTS[::-1]
     max_new = [MAX_NEW, 12, MAX_NEW, 5, MAX_NEW, 9, 1]  # rows leave at different steps
     if kind.startswith("oracle"):
@@ -79,6 +84,7 @@ def test_batched_greedy_equals_target_greedy_whatever_the_batch(target, refs, ki
     else:
         draft = random_draft(target, 64) if kind != "baseline" else None
         engine = SpecEngine(target, draft, PRESETS[kind])
+    assert engine.grouped_attention
     prompts = [_ids(target, p) for p in order]
     out = _drive(engine, prompts, max_new)
     for i, p in enumerate(order):
@@ -131,10 +137,13 @@ def test_drafter_backlog_is_caught_up_apart_and_equals_one_append(target):
     assert batch.catch_up_s < 0.01 and len(r.drafter._queued) == 1  # steady drafting: no backlog
 
 
+@pytest.mark.parametrize("grouped", [False, True])
 @torch.no_grad()
-def test_ragged_forward_matches_each_row_alone(target):
+def test_ragged_forward_matches_each_row_alone(target, grouped, monkeypatch):
     """Three rows of different lengths, one with a tree verify whose kept path is not a prefix:
-    the batched logits equal each row's own forward (fp32, tolerance: other matmul shapes)."""
+    the batched logits equal each row's own forward (fp32, tolerance: other matmul shapes), with
+    one attended span for all rows and with every row attending over its own span (row groups)."""
+    monkeypatch.setattr(RaggedCache, "group_overhead", 0 if grouped else 10 ** 9)
     model, g = target.model, torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 60, (1, n), generator=g) for n in (5, 11, 8)]
     ragged, alone = RaggedCache(), []
@@ -143,41 +152,75 @@ def test_ragged_forward_matches_each_row_alone(target):
         model(input_ids=ids, past_key_values=c, use_cache=True)
         ragged.add_row(c, ids.shape[1])
         alone.append(c)
-    parents = torch.tensor([-1, 0, 0, 1])  # row 1: a tree; rows 0/2: chains of 4
+    assert ragged.lengths.tolist() == [11, 8, 5]  # longest first
+    row = [2, 0, 1]  # prompt -> row
+    parents = torch.tensor([-1, 0, 0, 1])  # prompt 1: a tree; prompts 0/2: chains of 4
     anc = torch.eye(4, dtype=torch.bool).repeat(3, 1, 1)
-    anc[0] = anc[2] = torch.ones(4, 4, dtype=torch.bool).tril()
+    anc[row[0]] = anc[row[2]] = torch.ones(4, 4, dtype=torch.bool).tril()
     from eagle3_platform.spec.tree import ancestor_matrix, depths
-    anc[1] = ancestor_matrix(parents)
-    depth = torch.stack([torch.arange(4), depths(parents), torch.arange(4)])
+    anc[row[1]] = ancestor_matrix(parents)
+    depth = torch.stack([torch.arange(4)] * 3)
+    depth[row[1]] = depths(parents)
     new = torch.randint(3, 60, (3, 4), generator=g)
     pos = ragged.lengths[:, None] + depth
     ragged.begin(4)
+    assert ragged.groups == ([(0, 1, 15), (1, 2, 12), (2, 3, 9)] if grouped else [(0, 3, 15)])
+    kw = {"row_groups": ragged.groups} if grouped else {}
     got = model(input_ids=new, attention_mask=ragged.mask(anc), position_ids=pos,
-                past_key_values=ragged, use_cache=True).logits
-    for b in range(3):
-        n = prompts[b].shape[1]
+                past_key_values=ragged, use_cache=True, **kw).logits
+    for i, b in enumerate(row):
+        n = prompts[i].shape[1]
         mask = torch.zeros(1, 1, 4, n + 4).masked_fill(
             ~torch.cat([torch.ones(4, n, dtype=torch.bool), anc[b]], 1), torch.finfo(torch.float32).min)
         want = model(input_ids=new[b:b + 1], attention_mask=mask, position_ids=pos[b:b + 1],
-                     past_key_values=alone[b], use_cache=True).logits
+                     past_key_values=alone[i], use_cache=True).logits
         torch.testing.assert_close(got[b], want[0], atol=1e-4, rtol=1e-4)
-    # keep a non-prefix path in row 1 and drop row 0: row 1's next decode still matches alone
-    ragged.keep(1, [0, 2])
-    ragged.keep(2, [0, 1, 2, 3])
-    ragged.drop_row(0)  # row 2 moves into row 0
-    for c, n, path in ((alone[1], 11, [0, 2]), (alone[2], 8, [0, 1, 2, 3])):
+    # keep a non-prefix path for prompt 1 and drop prompt 2's row (the last rows move up one):
+    # the next decode of prompts 0 and 1 still matches each alone
+    ragged.keep(row[1], [0, 2])
+    ragged.keep(row[2], [0, 1, 2, 3])
+    ragged.keep(row[0], [0, 1])
+    ragged.drop_row(row[2])
+    assert ragged.lengths.tolist() == [13, 7]  # prompt 1 (11 + 2), prompt 0 (5 + 2)
+    for c, n, path in ((alone[1], 11, [0, 2]), (alone[0], 5, [0, 1])):
         for layer in c.layers:  # the single-sequence reference keeps the same path
             layer.keys = torch.cat([layer.keys[:, :, :n], layer.keys[:, :, [n + j for j in path]]], 2)
             layer.values = torch.cat([layer.values[:, :, :n], layer.values[:, :, [n + j for j in path]]], 2)
     nxt = torch.randint(3, 60, (2, 1), generator=g)
     pos = ragged.lengths[:, None].clone()
     ragged.begin(1)
+    kw = {"row_groups": ragged.groups} if grouped else {}
     got = model(input_ids=nxt, attention_mask=ragged.mask(torch.ones(2, 1, 1, dtype=torch.bool)),
-                position_ids=pos, past_key_values=ragged, use_cache=True).logits
-    for b, c in enumerate((alone[2], alone[1])):
+                position_ids=pos, past_key_values=ragged, use_cache=True, **kw).logits
+    for b, c in enumerate((alone[1], alone[0])):
         want = model(input_ids=nxt[b:b + 1], position_ids=pos[b:b + 1], past_key_values=c,
                      use_cache=True).logits
         torch.testing.assert_close(got[b], want[0], atol=1e-4, rtol=1e-4)
+
+
+def test_row_groups_split_where_a_span_would_waste_more_than_a_call():
+    """Contiguous groups minimising attended (row, slot) pairs + a cost per group."""
+    assert row_groups([1000, 100, 90, 80], 1, overhead=100) == [(0, 1, 1001), (1, 4, 101)]
+    assert row_groups([1000, 100, 90, 80], 1, overhead=10 ** 6) == [(0, 4, 1001)]  # a call dearer
+    assert row_groups([100, 100, 100], 5, overhead=0) == [(0, 3, 105)]  # equal rows: nothing to gain
+    assert row_groups([], 1) == []
+    # exhaustive check on small cases: no contiguous split is cheaper than the chosen one
+    import itertools
+    rng = random.Random(0)
+    for _ in range(50):
+        lengths = sorted((rng.randint(1, 500) for _ in range(rng.randint(1, 6))), reverse=True)
+        overhead = rng.choice([0, 50, 300, 2000])
+
+        def cost(groups):
+            return sum((b - a) * span + overhead for a, b, span in groups)
+
+        got = row_groups(lengths, 2, overhead)
+        assert [a for a, _, _ in got] == [0] + [b for _, b, _ in got[:-1]] and got[-1][1] == len(lengths)
+        for k in range(len(lengths)):
+            for cuts in itertools.combinations(range(1, len(lengths)), k):
+                bounds = [0, *cuts, len(lengths)]
+                groups = [(a, b, max(lengths[a:b]) + 2) for a, b in zip(bounds, bounds[1:])]
+                assert cost(got) <= cost(groups)
 
 
 def test_batched_sampling_keeps_the_target_distribution():

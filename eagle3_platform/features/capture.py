@@ -33,7 +33,7 @@ def decoder_stack(model: torch.nn.Module) -> torch.nn.Module:
 
 def forward_capture(model, input_ids, layer_ids: Sequence[int], *, attention_mask=None,
                     position_ids=None, past_key_values=None, use_cache=False,
-                    compute_logits: bool = True, logits_to_keep: int = 0) -> CaptureOutput:
+                    compute_logits: bool = True, logits_to_keep: int = 0, **model_kwargs) -> CaptureOutput:
     """One target forward that also returns the EAGLE-3 features.
 
     input_ids [B,T]; attention_mask: None, 2D padding mask [B,P+T], or 4D additive float [B,1,T,P+T];
@@ -43,6 +43,7 @@ def forward_capture(model, input_ids, layer_ids: Sequence[int], *, attention_mas
     recomputed from last_hidden with the frozen lm_head at training time), saving the lm_head matmul.
     logits_to_keep=n > 0: logits of the last n positions only ([B,n,V]; a prefill needs one row, and
     the lm_head over every prompt token was ~12% of a SmolLM2 prefill), as transformers' argument.
+    model_kwargs: passed on to the model (its attention function receives them).
     """
     base = decoder_stack(model)
     n_layers = len(base.layers)
@@ -60,7 +61,7 @@ def forward_capture(model, input_ids, layer_ids: Sequence[int], *, attention_mas
     handles = [base.layers[i].register_forward_hook(keep(i)) for i in set(layer_ids)]
     handles.append(base.norm.register_forward_hook(keep("norm")))
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                  past_key_values=past_key_values, use_cache=use_cache)
+                  past_key_values=past_key_values, use_cache=use_cache, **model_kwargs)
     try:
         out = model(**kwargs, logits_to_keep=logits_to_keep) if compute_logits else base(**kwargs)
     finally:

@@ -81,7 +81,7 @@ class Batch:
     def __init__(self, engine):
         self.engine = engine
         self.cache = RaggedCache()
-        self.rows: list[Request] = []  # rows[b] owns cache row b
+        self.rows: list[Request] = []  # rows[b] owns cache row b (the cache keeps them longest first)
         self.catch_up_s = 0.0  # of the last step: drafter backlogs appended before drafting
         self.step_s = 0.0  # of the last step, without catch_up_s: what its draft size cost
 
@@ -117,10 +117,9 @@ class Batch:
         first = self._pick(logits[0, -1], r)
         if r.drafter is not None:  # entry t = (g_t, x_{t+1}): the prompt shifted by one + first
             r.drafter.prefill(torch.cat(r.prompt_aux, dim=1), torch.tensor(r.ids[1:] + [first]))
-        self.cache.add_row(r.prompt_cache, len(r.ids))
+        self.rows.insert(self.cache.add_row(r.prompt_cache, len(r.ids)), r)
         r.prompt_cache, r.prompt_aux = None, []
         r.n, r.pending = len(r.ids), first
-        self.rows.append(r)
         r.t_prefill = time.perf_counter() - r.t0
         return r.fin.push([first])
 
@@ -136,7 +135,8 @@ class Batch:
         self.cache.begin(q)
         mask = self.cache.mask(anc) if len(rows) > 1 or q > 1 else None  # [B,1,q,S]
         any_drafter = any(r.drafter is not None for r in rows)
-        logits, aux = e.forward(tokens, mask, pos, self.cache, e.draft if any_drafter else None)
+        logits, aux = e.forward(tokens, mask, pos, self.cache, e.draft if any_drafter else None,
+                                row_groups=self.cache.groups)
         out = []
         for b, (r, tree) in enumerate(zip(rows, trees)):
             path, bonus = self._accept(tree, logits[b, :len(tree)], r)
@@ -157,8 +157,7 @@ class Batch:
         if r.running and r in self.rows:
             b = self.rows.index(r)
             self.cache.drop_row(b)
-            self.rows[b] = self.rows[-1]  # drop_row moved the last row into b
-            self.rows.pop()
+            self.rows.pop(b)
         r.prompt_cache = r.prompt_aux = None
         return r.stats()
 

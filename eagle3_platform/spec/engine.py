@@ -18,6 +18,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from eagle3_platform.attention import GROUPED_DECODE
 from eagle3_platform.compute import threads
 from eagle3_platform.data.chat import eos_token_ids
 from eagle3_platform.draft.quant import int8_head, packed_head
@@ -46,6 +47,7 @@ class SpecEngine:
         head_layers = getattr(getattr(draft, "cfg", None), "aux_layer_ids", None)
         self.layer_ids = list(head_layers or target.meta["capture_layer_ids"])
         self.eos_ids = eos_token_ids(target.tokenizer, self.model)
+        self.grouped_attention = getattr(self.model.config, "_attn_implementation", None) == GROUPED_DECODE
         self.last_stats: dict = {}
 
     # ---- public API -------------------------------------------------------------------------------
@@ -86,11 +88,14 @@ class SpecEngine:
             return LookupDrafter(head, self.cfg.lookup_tokens, self.cfg.lookup_ngram)
         return head
 
-    def forward(self, ids, mask, pos, cache, drafter, logits_to_keep: int = 0):
+    def forward(self, ids, mask, pos, cache, drafter, logits_to_keep: int = 0, row_groups=None):
         """-> (logits [B,T,V] (the last logits_to_keep positions' if > 0), aux [B,T,3H] | None);
-        `cache` is updated in place. Features only when a draft consumes them."""
+        `cache` is updated in place. Features only when a draft consumes them. row_groups: a ragged
+        cache's (start, stop, span) groups, for attention.py's grouped kernel (others ignore them)."""
         kw = dict(attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
                   logits_to_keep=logits_to_keep)
+        if row_groups is not None and len(row_groups) > 1 and self.grouped_attention:
+            kw["row_groups"] = row_groups
         with threads(self.target_threads):
             if drafter is None:
                 return self.model(input_ids=ids, **kw).logits, None
