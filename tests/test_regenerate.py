@@ -93,13 +93,29 @@ def test_local_single_and_multi_turn(tiny_target_dir, tok, tmp_path):
     assert s["new_tokens"] == sum(sum(r["generation"]["new_tokens"]) for r in rows)
 
 
-def test_batched_greedy_equals_per_prompt_generate(tiny_target, tok):
-    """Left padding + dropping finished rows must not change any row's greedy tokens."""
+@pytest.mark.parametrize("alone_from", [None, 16])
+def test_batched_greedy_equals_per_prompt_generate(tiny_target, tok, alone_from, monkeypatch):
+    """Left padding + dropping finished rows must not change any row's greedy tokens; nor must
+    prefilling the long prompts alone (alone_from: ALONE_FROM lowered so the tiny prompts take it)."""
+    from eagle3_platform.data import local_gen
+
     model = tiny_target.model
     prompts = [render_prompt(tok, [{"role": "user", "content": u}]) for u in
                ["Hi", "What is the capital of France? Explain step by step.", "Solve: x + 3 = 7", "def add(a, b):"]]
     budgets = [5, 12, 3, 9]  # rows leave the batch at different steps
-    got = generate_batch(model, prompts, budgets, {tok.eos_token_id}, tok.pad_token_id)
+    if alone_from is not None:
+        monkeypatch.setattr(local_gen, "ALONE_FROM", alone_from)
+    alone = sum(len(p) - 1 >= local_gen.ALONE_FROM for p in prompts)
+    assert alone == (3 if alone_from else 0)  # all but "Hi"
+    shapes = []
+    hook = model.register_forward_pre_hook(lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)),
+                                           with_kwargs=True)
+    try:
+        got = generate_batch(model, prompts, budgets, {tok.eos_token_id}, tok.pad_token_id)
+    finally:
+        hook.remove()
+    assert sum(s[0] == 1 and s[1] > 1 for s in shapes[:alone]) == alone  # batch-1 prefills came first
+    assert shapes[alone][0] == len(prompts)  # then one batched prefill of every row
     for p, n, g in zip(prompts, budgets, got):
         ref = model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False,
                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[0, len(p):].tolist()
