@@ -40,9 +40,18 @@ def pack_linears(model: nn.Module) -> int:
     lm_head gets its own packed copy (the embedding keeps its weight). No-op without oneDNN."""
     if not packing_available():
         return 0
-    swaps = [(parent, name, child) for parent in model.modules()
-             for name, child in parent.named_children()
-             if type(child) is nn.Linear and child.weight.device.type == "cpu"]
-    for parent, name, child in swaps:
-        setattr(parent, name, PackedLinear(child))
-    return len(swaps)
+    return swap_linears(model, lambda lin: PackedLinear(lin) if lin.weight.device.type == "cpu" else lin)
+
+
+def swap_linears(model: nn.Module, swap) -> int:
+    """Replace every nn.Linear of `model`, in place, by swap(linear) (which may hand the layer back
+    unchanged); returns how many were replaced."""
+    linears = [(parent, name, child) for parent in model.modules()
+               for name, child in parent.named_children() if type(child) is nn.Linear]
+    swapped = 0
+    for parent, name, child in linears:
+        new = swap(child)
+        if new is not child:
+            setattr(parent, name, new)
+            swapped += 1
+    return swapped

@@ -72,11 +72,10 @@ def packed_head(draft: nn.Module) -> nn.Module:
 
 
 def _head_copy(draft: nn.Module, swap) -> nn.Module:
+    from eagle3_platform.packed_linear import swap_linears
+
     copied = copy.copy(draft)
     copied._modules = {name: m if name in ("embed_tokens", "rotary") else copy.deepcopy(m)
                        for name, m in draft._modules.items()}
-    for module in list(copied.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(module, name, swap(child))
+    swap_linears(copied, swap)
     return copied

@@ -94,7 +94,7 @@ class SpecEngine:
         cache's (start, stop, span) groups, for attention.py's grouped kernel (others ignore them)."""
         kw = dict(attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
                   logits_to_keep=logits_to_keep)
-        if row_groups is not None and len(row_groups) > 1 and self.grouped_attention:
+        if row_groups is not None and self.grouped_attention:  # one group: attention's plain path
             kw["row_groups"] = row_groups
         with threads(self.target_threads):
             if drafter is None:
