@@ -54,3 +54,13 @@ class GrowingLayer(DynamicLayer):
 class GrowingCache(DynamicCache):
     def __init__(self):
         Cache.__init__(self, layer_class_to_replicate=GrowingLayer)
+
+    def adopt(self, layer_idx: int, key_buf: torch.Tensor, value_buf: torch.Tensor, n: int) -> None:
+        """Layer layer_idx takes buffers [B,kv,capacity,hd] whose first n slots hold its keys/values
+        (built elsewhere, e.g. rows of other caches stacked): no copy, and appends go in place."""
+        while len(self.layers) <= layer_idx:
+            self.layers.append(GrowingLayer())
+        layer = self.layers[layer_idx]
+        layer.lazy_initialization(key_buf, value_buf)
+        layer.key_buf, layer.value_buf = key_buf, value_buf
+        layer.keys, layer.values = key_buf[:, :, :n], value_buf[:, :, :n]

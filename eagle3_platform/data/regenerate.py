@@ -23,10 +23,11 @@ import os
 import sys
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 from eagle3_platform.data.chat import BoundaryError, encode, eos_token_ids, render, render_prompt, template_hash
 from eagle3_platform.data.endpoint import ChatClient, EndpointRequestError, served_model
@@ -40,7 +41,7 @@ STAGE = "target_responses"
 @dataclass(frozen=True)
 class RegenConfig:
     max_new_tokens: int  # per assistant turn
-    batch_size: int  # local: most conversations decoded together
+    batch_size: int  # local: most conversations decoded together (rows of the running batch)
     do_sample: bool
     temperature: float
     top_p: float
@@ -55,6 +56,9 @@ class RegenConfig:
     # within this bound but decoded as one batch had 27.0k tokens when the split path had finished
     # all 38.5k (527 s).
     batch_tokens: int = 16384
+    # local: records planned together, in batches' worth. Within a window the batch refills as answers
+    # end; a resumed run redoes the window it stopped in (same companions, so the same records).
+    window_batches: int = 4
     dtype: str = "auto"  # local compute dtype: auto = bf16 where the hardware has it (compute.py)
     torch_threads: int = 0  # local: 0 = all cores (the step runs alone); >0 pins (a shared box)
     # local multi-turn: keep each conversation's KV cache between turns (False re-prefills the whole
@@ -375,8 +379,10 @@ def read_prompts(in_path) -> Prompts:
 
 
 def run_local(target_dir, convos: list[Convo], turns: Turns, cfg: RegenConfig, done: set[str], emit) -> None:
-    """Batched local decoding. Batches are planned over all records (sorted by first-prompt length) so a
-    resumed run recomputes a partially written batch with exactly the same companions."""
+    """Continuous batched decoding on the local target, window by window: each window is
+    window_batches x batch_size records of the plan (all records sorted by first-prompt length), and a
+    resumed run redoes the window it stopped in with exactly the same companions, so its records come
+    out as an uninterrupted run's."""
     from eagle3_platform.compute import set_threads
     from eagle3_platform.target import load_target
 
@@ -394,13 +400,16 @@ def run_local(target_dir, convos: list[Convo], turns: Turns, cfg: RegenConfig, d
     lengths = {c.rec.id: len(render_prompt(turns.tok, c.segments[0])) for c in live}
     plan = sorted(live, key=lambda c: lengths[c.rec.id])  # stable
     budget = min(cfg.batch_tokens, kv_token_budget(target.model))
-    for batch in plan_batches(plan, [lengths[c.rec.id] for c in plan], cfg, budget):
-        if all(c.rec.id in done for c in batch):
+    size = cfg.window_batches * cfg.batch_size
+
+    def emit_new(c: Convo) -> None:  # a redone window's records already written are not written again
+        if c.rec.id not in done:
+            emit(c)
+
+    for window in (plan[i:i + size] for i in range(0, len(plan), size)):
+        if all(c.rec.id in done for c in window):
             continue
-        decode_turns(target.model, batch, turns, cfg, budget)
-        for c in batch:
-            if c.rec.id not in done:
-                emit(c)
+        decode_conversations(target.model, window, turns, cfg, budget, emit_new)
 
 
 def run_endpoint(endpoint: str, convos: list[Convo], turns: Turns, cfg: RegenConfig, done: set[str], emit,
@@ -447,20 +456,6 @@ def converse(client: ChatClient, c: Convo, turns: Turns, cfg: RegenConfig) -> Co
     return c
 
 
-def plan_batches(plan: list, prompt_lengths: list[int], cfg: RegenConfig, budget: int) -> list[list]:
-    """Consecutive groups of the length-sorted plan: at most batch_size rows, and rows x (longest prompt
-    + max_new_tokens) <= budget KV entries (one row always fits). Deterministic given the plan, so a
-    resumed run sees the same batches."""
-    batches, cur, longest = [], [], 0
-    for c, n in zip(plan, prompt_lengths):
-        if cur and (len(cur) >= cfg.batch_size or (len(cur) + 1) * (max(longest, n) + cfg.max_new_tokens) > budget):
-            batches.append(cur)
-            cur, longest = [], 0
-        cur.append(c)
-        longest = max(longest, n)
-    return batches + ([cur] if cur else [])
-
-
 def kv_token_budget(model, fraction: float = 0.25) -> int:
     """KV entries that fit in `fraction` of the machine's RAM (its total, not what is free now, so the
     plan does not change between a run and its resume)."""
@@ -473,65 +468,38 @@ def kv_token_budget(model, fraction: float = 0.25) -> int:
     return max(1, int(ram * fraction) // per_token)
 
 
-def decode_turns(model, batch: list[Convo], turns: Turns, cfg: RegenConfig, budget: int) -> None:
-    """Advance the whole batch one user turn at a time; conversations with fewer turns drop out.
-    Later turns carry the whole history, so each turn is re-split by its own prompt lengths: the
-    batch_tokens bound holds for every forward, not only for turn 1. A conversation keeps its KV cache
-    between turns (local_gen.Prefix), so a turn prefills only the new user message; caches are kept
-    while they fit in kv_token_budget (RAM), beyond that a turn re-prefills its history."""
-    from eagle3_platform.data.local_gen import Sampling
+def decode_conversations(model, convos: list[Convo], turns: Turns, cfg: RegenConfig, budget: int,
+                         finished: Callable[[Convo], None]) -> None:
+    """Every turn of these conversations, as one continuous batch (local_gen.decode_stream) of at most
+    batch_size rows and `budget` KV slots: a conversation's next turn joins as soon as its answer is
+    in, reusing its KV cache (local_gen.Prefix: the turn prefills only the new user message), and
+    `finished(c)` runs when a conversation has no turn left."""
+    from eagle3_platform.data.local_gen import Request, Sampling, decode_stream
 
     sampling = Sampling(cfg.do_sample, cfg.temperature, cfg.top_p)
     pad_id = turns.tok.pad_token_id if turns.tok.pad_token_id is not None else min(turns.stop_ids)
-    caches = PrefixStore(kv_token_budget(model) if cfg.reuse_turn_cache else 0)
-    for k in range(max(len(c.segments) for c in batch)):
-        reqs = [(c, turns.next(c, k)) for c in batch
-                if k < len(c.segments) and c.reject is None and not c.dropped_turns]
-        reqs = sorted(((c, nxt) for c, nxt in reqs if nxt is not None), key=lambda r: len(r[1][1]))
-        asked = {c.rec.id for c, _ in reqs}
-        for c in batch:  # out of turns or of budget: its cache is no longer needed
-            if c.rec.id not in asked:
-                caches.pop(c.rec.id)
-        if not reqs:
-            return
-        for group in plan_batches(reqs, [len(ids) for _, (_, ids, _) in reqs], cfg, budget):
-            decode_group(model, group, turns, cfg, k, sampling, pad_id, caches)
 
+    def request(c: Convo, k: int, prefix=None) -> Request | None:
+        nxt = turns.next(c, k)
+        if nxt is None:
+            return None
+        msgs, ids, max_new = nxt
+        return Request(ids, max_new, turn_seed(cfg.seed, c.rec.id, k), prefix,
+                       keep_cache=cfg.reuse_turn_cache and k + 1 < len(c.segments), tag=(c, k, msgs))
 
-class PrefixStore:
-    """Conversation id -> its KV cache after its last answered turn, at most `budget` tokens in all."""
-
-    def __init__(self, budget: int):
-        self.budget, self.tokens, self.caches = budget, 0, {}
-
-    def pop(self, rec_id: str):
-        pre = self.caches.pop(rec_id, None)
-        self.tokens -= len(pre.ids) if pre else 0
-        return pre
-
-    def put(self, rec_id: str, pre) -> None:
-        if self.tokens + len(pre.ids) <= self.budget:
-            self.caches[rec_id] = pre
-            self.tokens += len(pre.ids)
-
-
-def decode_group(model, group: list, turns: Turns, cfg: RegenConfig, k: int, sampling, pad_id: int,
-                 caches: PrefixStore) -> None:
-    """One forward batch of turn k: [(convo, (messages, prompt ids, max new))] answered in place; a
-    conversation with a turn left keeps its cache for it."""
-    from eagle3_platform.data.local_gen import generate_batch
-
-    outs = generate_batch(model, [ids for _, (_, ids, _) in group], [n for _, (_, _, n) in group],
-                          turns.stop_ids, pad_id, sampling,
-                          seeds=[turn_seed(cfg.seed, c.rec.id, k) for c, _ in group],
-                          prefixes=[caches.pop(c.rec.id) for c, _ in group],
-                          keep_cache=[k + 1 < len(c.segments) for c, _ in group])
-    for (c, (msgs, _, _)), g in zip(group, outs):
+    def answered(r: Request, g) -> None:
+        c, k, msgs = r.tag
         body = g.tokens[:-1] if g.finish_reason == "stop" else g.tokens  # the EOT is the template's
         text = turns.tok.decode(body, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         turns.answer(c, msgs, text, g.finish_reason, len(g.tokens))
-        if g.cache is not None:  # it has a turn left
-            caches.put(c.rec.id, g.cache)
+        follow = request(c, k + 1, g.cache) if k + 1 < len(c.segments) else None
+        if follow is None:  # out of turns, or of max_length (dropped_turns)
+            finished(c)
+        else:
+            queue.appendleft(follow)  # the conversation goes on first: its cache is held meanwhile
+
+    queue = deque(r for r in (request(c, 0) for c in convos) if r is not None)
+    decode_stream(model, queue, answered, turns.stop_ids, pad_id, sampling, cfg.batch_size, budget)
 
 
 def summarize(prompts: Prompts, out_path: Path, rejected_path: Path, resumed: int, progress: Progress,
