@@ -44,7 +44,8 @@ def add_commands(sub) -> None:
     add_preset_arg(p)
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--max-length", type=int, default=None, help="prompt + response token budget")
-    p.add_argument("--batch-size", type=int, default=None, help="local: conversations decoded together")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="local: conversations decoded together (rows of the running batch)")
     p.add_argument("--endpoint", default=None, help="OpenAI-compatible base URL (SGLang, vLLM, eagle3 serve)")
     p.add_argument("--concurrency", type=int, default=None, help="endpoint: requests in flight")
     p.add_argument("--api-key", default=os.environ.get("EAGLE3_API_KEY"),

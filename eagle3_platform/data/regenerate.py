@@ -2,8 +2,9 @@
 
 Each conversation is re-asked turn by turn: user turn k is answered given the target's own answers to
 turns < k. Two back ends share everything else (budgets, records, masks, scanning, resume):
-- local: batched decoding on the prepared target (left padding, batches grouped by prompt length,
-  the batch advances one turn at a time);
+- local: continuous batched decoding on the prepared target (local_gen.decode_stream: records in
+  prompt-length order, a finished answer's row refilled by the next prompt or by the conversation's
+  next turn);
 - endpoint: any OpenAI-compatible `/v1/chat/completions` with bounded concurrency and retries.
 Either way `input_ids`/`loss_mask` come from `chat.render` with the target's own tokenizer + template.
 
@@ -12,9 +13,9 @@ Accounting: every input record ends as exactly one ConversationRecord (out) or R
 either, but only when the records there were made by this run's target (id, weights, template) with its
 generation settings, else it refuses (`--restart` discards the old output). Input lines that cannot be
 records (broken JSON, bad encoding, schema, a repeated id) are rejected while reading, under ids unique
-per line. Local batches are planned over ALL records (done or not) and a partially written batch is
-recomputed whole, so a resumed greedy run produces the very same tokens as an uninterrupted one
-(sampling draws from one RNG per record and turn, seeded from the record id).
+per line. Local windows (window_batches x batch_size records) are planned over ALL records (done or not) and
+a partially written window is recomputed whole, so a resumed run produces the very same tokens as an
+uninterrupted one (sampling draws from one RNG per record and turn, seeded from the record id).
 """
 from __future__ import annotations
 
