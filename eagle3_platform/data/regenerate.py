@@ -499,7 +499,13 @@ def decode_conversations(model, convos: list[Convo], turns: Turns, cfg: RegenCon
         else:
             queue.appendleft(follow)  # the conversation goes on first: its cache is held meanwhile
 
-    queue = deque(r for r in (request(c, 0) for c in convos) if r is not None)
+    queue: deque[Request] = deque()
+    for c in convos:
+        first = request(c, 0)
+        if first is None:  # no room for one answer (run_local has rejected these already)
+            finished(c)
+        else:
+            queue.append(first)
     decode_stream(model, queue, answered, turns.stop_ids, pad_id, sampling, cfg.batch_size, budget)
 
 
