@@ -5,7 +5,9 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
@@ -416,6 +418,24 @@ def test_subprocess_server_clean_shutdown_with_inflight_request(tmp_path, sig):
     assert got["status"] == 200 and got["text"].rstrip().endswith("data: [DONE]")
     log = (tmp_path / "server.log").read_text()
     assert "capital of France" not in log  # no prompt text in logs
+    assert h.workdir is None  # the log is the caller's: no temp dir kept
+
+
+@pytest.mark.integration
+def test_spawned_server_leaves_no_temp_dir(tmp_path):
+    """The ready file's directory goes once read; a temp log's directory goes at stop()."""
+    from eagle3_platform.serve.launch import spawn_server
+
+    cmd = [sys.executable, "-m", "eagle3_platform.testing.serve", "--chunk", "1"]
+    before = set(Path(tempfile.gettempdir()).glob("eagle3-serve-*"))
+    with spawn_server(cmd, log_path=tmp_path / "server.log", timeout=60) as h:
+        assert h.workdir is None and set(Path(tempfile.gettempdir()).glob("eagle3-serve-*")) == before
+    h2 = spawn_server(cmd, timeout=60)
+    assert h2.log_path.parent == h2.workdir and h2.log_path.exists()  # its log, while it runs
+    assert not (h2.workdir / "ready.json").exists()
+    h2.stop()
+    assert not h2.workdir.exists()
+    assert set(Path(tempfile.gettempdir()).glob("eagle3-serve-*")) == before
 
 
 # -- the real engine on the tiny target ----------------------------------------------------------

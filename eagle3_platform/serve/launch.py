@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,10 +39,14 @@ class ServerHandle:
     log_path: Path
     api_key: str | None = None
     proc: subprocess.Popen | None = field(default=None, repr=False)
+    workdir: Path | None = None  # a temp dir of ours (the log when none was asked for): gone at stop
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> int | None:
         """SIGTERM (graceful), then SIGKILL after `timeout`. Returns the exit code."""
-        return stop_process(self.proc, timeout) if self.proc else None
+        code = stop_process(self.proc, timeout) if self.proc else None
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        return code
 
     def headers(self) -> dict:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -119,13 +124,20 @@ def spawn_server(cmd: list[str], *, api_key: str | None = None, log_path=None,
     with open(log_path, "ab") as logf:
         proc = subprocess.Popen(list(cmd) + ["--ready-file", str(ready)], stdout=logf,
                                 stderr=subprocess.STDOUT, env=penv, start_new_session=True)
+    own_log = log_path.parent == workdir
     try:
         url = _wait_ready(ready, proc, timeout, log_path)
         wait_healthy(url, proc, timeout, log_path, "eagle3 serve")
     except BaseException:
         stop_process(proc)
+        if not own_log:  # a temp log stays for a look: the error shows only its tail
+            shutil.rmtree(workdir, ignore_errors=True)
         raise
-    return ServerHandle(url=url, pid=proc.pid, log_path=log_path, api_key=api_key, proc=proc)
+    ready.unlink()  # read once; a temp dir per server was left behind in /tmp before
+    if not own_log:
+        workdir.rmdir()
+    return ServerHandle(url=url, pid=proc.pid, log_path=log_path, api_key=api_key, proc=proc,
+                        workdir=workdir if own_log else None)
 
 
 def _wait_ready(ready: Path, proc: subprocess.Popen, timeout: float, log_path: Path) -> str:
