@@ -194,7 +194,8 @@ class _Rows:
         """The staying rows, then `new` (prefilled here), as one batch; None if there are none."""
         parts, reqs, out, gens, logits, pos = [], [], [], [], [], []
         if rows is not None:
-            stay = [b for b in range(len(rows.reqs)) if b not in set(rows.departed)]
+            gone = set(rows.departed)
+            stay = [b for b in range(len(rows.reqs)) if b not in gone]
             if stay:
                 idx = torch.tensor(stay)
                 parts.append((rows.cache, rows.mask, idx))
