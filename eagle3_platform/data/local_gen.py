@@ -175,8 +175,7 @@ class _Rows:
     def __init__(self, reqs: list[Request], out: list[Generated], gens, cache, mask, logits, next_pos):
         self.reqs, self.out, self.gens = reqs, out, gens
         self.cache, self.mask, self.logits, self.next_pos = cache, mask, logits, next_pos
-        self.live = [not g.finish_reason for g in out]
-        self.departed: list[int] = []
+        self.departed: list[int] = []  # rows finished and handed to on_done, dropped at the next rebuild
         self.last: torch.Tensor | None = None  # [B] the tokens picked last, fed by the next forward
 
     @property
@@ -224,22 +223,18 @@ class _Rows:
         return cls(reqs, out, gens or None, cache, mask, torch.cat(logits), torch.cat(pos))
 
     def push(self, tok: torch.Tensor, stop_ids: set[int]) -> list[int]:
-        """Append the picked token of every live row -> the rows finished and not yet departed."""
+        """Append the picked token of every unfinished row -> the rows finished and not yet departed."""
         self.last = tok
-        for b, t in enumerate(tok.tolist()):
-            if not self.live[b]:
+        for t, g, r in zip(tok.tolist(), self.out, self.reqs):
+            if g.finish_reason:  # finished: fed ignored tokens until it departs
                 continue
-            g = self.out[b]
             g.tokens.append(t)
             if t in stop_ids:
                 g.finish_reason = "stop"
-            elif len(g.tokens) >= self.reqs[b].max_new:
+            elif len(g.tokens) >= r.max_new:
                 g.finish_reason = "length"
-            else:
-                continue
-            self.live[b] = False
         gone = set(self.departed)
-        return [b for b in range(len(self.reqs)) if not self.live[b] and b not in gone]
+        return [b for b, g in enumerate(self.out) if g.finish_reason and b not in gone]
 
     def depart(self, finished: list[int], on_done) -> None:
         """Finished rows leave: their caches handed back where asked, then on_done for each."""
@@ -288,7 +283,7 @@ def _stack(parts: list[tuple]) -> tuple:
             buf[:, :, :W].zero_()  # padding slots get weight 0, and 0 * NaN would be NaN
             row = 0
             for cache, idx, m, first in taken:
-                buf[row:row + len(idx), :, W - m.shape[1]:W] = getattr(cache.layers[layer], kind)[idx][:, :, first:]
+                buf[row:row + len(idx), :, W - m.shape[1]:W] = getattr(cache.layers[layer], kind)[idx, :, first:]
                 row += len(idx)
             bufs.append(buf)
         out.adopt(layer, *bufs, W)
