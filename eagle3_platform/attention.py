@@ -12,8 +12,18 @@ Rows of a continuous batch have different lengths (spec/ragged.py). Given `row_g
 rows of similar length, each with its own span), attention runs per group over that span only, so
 one long prompt does not make every row attend over its length (B 8, one 1000-token row among
 150-token ones: the padded span costs ~4x the attended pairs).
+
+A cache's keys are a prefix view of a buffer with spare slots, and oneDNN's bmm copies any operand
+that is not contiguous: a copy of the cache's keys and values per layer per step, more than the
+attention itself (B 48, 514 cached tokens, one layer: 2.2 ms, 1.2 ms over contiguous keys; B 1, 300:
+0.21 vs 0.08 ms). So where the buffer is at most WIDEN_UP_TO times the span, attention runs over the
+rows' whole buffers instead, the spare slots masked out: contiguous, no copy. That needs the spare
+slots finite (0 * NaN is NaN), so only buffers made by `cache_buffer` (zeroed) are widened.
 """
 from __future__ import annotations
+
+import functools
+import weakref
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
@@ -22,6 +32,18 @@ from transformers.masking_utils import sdpa_mask
 
 GROUPED_DECODE = "sdpa_grouped_decode"
 MAX_GROUPED_QUERY = 64  # verification trees are ~5-16 tokens; longer queries are prefills
+# Attending over a whole buffer up to 1.5x the span costs about what the copy of the view costs
+# (SmolLM2 shapes, bf16, 2 threads: B 1-48, 150-1000 slots: 0.65-0.8x of the view's time at 1.1x,
+# 0.8-1.0x at 1.5x, 0.9-1.2x at 2x; ~/.cache/eagle3-runs/s20/widen.py).
+WIDEN_UP_TO = 1.5
+_CACHE_BUFFERS: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+
+
+def cache_buffer(like: torch.Tensor, shape) -> torch.Tensor:
+    """A zeroed KV cache buffer [rows, kv, slots, hd], registered as safe to read past a view's slots."""
+    buf = like.new_zeros(shape)
+    _CACHE_BUFFERS[id(buf)] = buf
+    return buf
 
 
 def grouped_decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -46,16 +68,55 @@ def grouped_attention(query, key, value, mask=None, scaling=None, row_groups=Non
     B, H, q, d = query.shape
     r = H // key.shape[1]
     scale = d ** -0.5 if scaling is None else scaling
-    bias = None if mask is None else _grouped_bias(mask, r, key.shape[-2])  # [B|1,1,r*q,S]
-    if not row_groups or len(row_groups) == 1:
-        return _attend(query, key, value, bias, scale)
+    groups = row_groups if row_groups and len(row_groups) > 1 else [(0, B, key.shape[-2])]
+    parts = [(a, b, *_whole_rows(key[a:b, :, :span], value[a:b, :, :span])) for a, b, span in groups]
+    width = max(k.shape[-2] for _, _, k, _ in parts)
+    if mask is None and width > key.shape[-2]:  # every slot visible, but a whole buffer's spare ones
+        mask = _all_visible(q, key.shape[-2])
+    bias = None if mask is None else _grouped_bias(mask, r, width)  # [B|1,1,r*q,width]
+    if len(parts) == 1:
+        return _attend(query, parts[0][2], parts[0][3], _rows_bias(bias, 0, B, parts[0][2]), scale)
     out = query.new_empty(B, H, q, d)
-    for a, b, span in row_groups:  # views: rows a..b-1, slots 0..span-1
-        group_bias = None
-        if bias is not None:
-            group_bias = (bias[a:b] if bias.shape[0] > 1 else bias)[..., :span]
-        out[a:b] = _attend(query[a:b], key[a:b, :, :span], value[a:b, :, :span], group_bias, scale)
+    for a, b, k, v in parts:  # rows a..b-1 over their span (or their whole buffers)
+        out[a:b] = _attend(query[a:b], k, v, _rows_bias(bias, a, b, k), scale)
     return out
+
+
+def _rows_bias(bias, a: int, b: int, key) -> torch.Tensor | None:
+    """Rows a..b-1 of the bias, over key's slots."""
+    if bias is None:
+        return None
+    return (bias[a:b] if bias.shape[0] > 1 else bias)[..., :key.shape[-2]]
+
+
+@functools.lru_cache(maxsize=8)
+def _all_visible(q: int, S: int) -> torch.Tensor:
+    """bool [1,1,q,S], all True; one object per shape, so a forward's layers share its bias (made
+    outside inference mode, so it can be remembered)."""
+    with torch.inference_mode(False):
+        return torch.ones(1, 1, q, S, dtype=torch.bool)
+
+
+def _whole_rows(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """key/value [B,kv,S,d]: views of rows of cache_buffer()s [R,kv,C,d] -> those rows' whole
+    buffers [B,kv,C,d] (contiguous) when C <= WIDEN_UP_TO * S; otherwise (or any other tensor) as given."""
+    whole = [_whole(t) for t in (key, value)]
+    if whole[0] is None or whole[1] is None or whole[0].shape != whole[1].shape:
+        return key, value
+    return whole[0], whole[1]
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor | None:
+    base = t._base
+    if base is None or _CACHE_BUFFERS.get(id(base)) is not base or t.is_contiguous():
+        return None
+    B, S = t.shape[0], t.shape[2]
+    if base.dim() != 4 or t.stride() != base.stride() or base.shape[2] > WIDEN_UP_TO * S:
+        return None
+    row, rest = divmod(t.storage_offset() - base.storage_offset(), base.stride(0))
+    if rest or row + B > base.shape[0] or base.shape[1::2] != t.shape[1::2]:
+        return None  # not whole rows from slot 0
+    return base[row:row + B]
 
 
 def _attend(query, key, value, bias, scale: float):
@@ -84,7 +145,8 @@ _last_bias: tuple = (None, None, None)  # (mask, (version, r, S), bias): a forwa
 
 
 def _grouped_bias(mask: torch.Tensor, r: int, S: int) -> torch.Tensor:
-    """mask bool (True = attend) or additive [B|1,1,q,S'] -> additive fp32 [B|1,1,r*q,S], computed once
+    """mask bool (True = attend) or additive [B|1,1,q,S'] -> additive fp32 [B|1,1,r*q,S] (slots past
+    S' masked: a whole buffer's spare slots), computed once
     per forward: transformers hands every layer the same mask object, so later layers reuse it (the
     version counter catches a mask changed in place; holding the mask keeps its identity unique)."""
     global _last_bias
@@ -99,6 +161,8 @@ def _grouped_bias(mask: torch.Tensor, r: int, S: int) -> torch.Tensor:
         bias = torch.zeros(m.shape).masked_fill_(~m, torch.finfo(torch.float32).min)
     else:
         bias = m.float()
+    if bias.shape[-1] < S:
+        bias = torch.nn.functional.pad(bias, (0, S - bias.shape[-1]), value=torch.finfo(torch.float32).min)
     if tracked:
         _last_bias = (mask, (mask._version, r, S), bias)  # one assignment: atomic for a concurrent reader
     return bias

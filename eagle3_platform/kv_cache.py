@@ -3,7 +3,9 @@
 DynamicLayer appends with `torch.cat`, so every decode step copies the whole cache of every layer into
 a fresh allocation; at batch 128 that is GBs per step, and on these VMs fresh pages are expensive.
 Here keys/values are prefix views of buffers with spare room: an append writes into the buffer, and
-the buffer grows by half again when full. Code that replaces `.keys` keeps working: a shorter prefix
+the buffer grows by an eighth (and MIN_SPARE) when full: attention reads a buffer whole when it is
+little wider than its keys (attention.py: contiguous, no copy), and a growth's copy comes only every
+~need/8 appends. Code that replaces `.keys` keeps working: a shorter prefix
 view (a crop) still writes into the same buffer; any other tensor
 (`batch_select_indices`) is copied into a fresh buffer on the next append.
 """
@@ -13,7 +15,15 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
+from eagle3_platform.attention import cache_buffer
+
 MIN_SPARE = 64  # tokens of headroom added on every growth
+
+
+def slot_capacity(need: int) -> int:
+    """Slots to allocate for `need`: an eighth more and MIN_SPARE (buffers at most ~1.5x their span
+    at 128+ tokens, so attention can read them whole)."""
+    return need + need // 8 + MIN_SPARE
 
 
 class GrowingLayer(DynamicLayer):
@@ -39,12 +49,11 @@ class GrowingLayer(DynamicLayer):
                 and self.values.data_ptr() == self.value_buf.data_ptr())
 
     def _grow(self, n: int, need: int, key_states, value_states) -> None:
-        """Fresh buffers with room for need * 1.5 + MIN_SPARE entries, holding the current n."""
-        capacity = need + need // 2 + MIN_SPARE
+        """Fresh buffers with room for slot_capacity(need) entries, holding the current n."""
         bufs = []
         for old, new in ((self.keys, key_states), (self.values, value_states)):
             b, h, _, d = new.shape
-            buf = new.new_empty((b, h, capacity, d))
+            buf = cache_buffer(new, (b, h, slot_capacity(need), d))
             if n:
                 buf[:, :, :n] = old
             bufs.append(buf)

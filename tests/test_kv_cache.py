@@ -50,7 +50,12 @@ def decode(model, cache, attn: str, steps: int = 40, drop_at: int = 15, crop_at:
     return logits
 
 
-def test_growing_cache_and_grouped_decode_match_dynamic_cache_and_sdpa(model):
+@pytest.mark.parametrize("widen_up_to", [None, 100])
+def test_growing_cache_and_grouped_decode_match_dynamic_cache_and_sdpa(model, widen_up_to, monkeypatch):
+    """widen_up_to 100: every step attends over the cache's whole buffers (their spare slots hold the
+    cropped verify's keys and zeros), as long sequences do with the default."""
+    if widen_up_to is not None:
+        monkeypatch.setattr("eagle3_platform.attention.WIDEN_UP_TO", widen_up_to)
     want = decode(model, DynamicCache(), "sdpa")
     got = decode(model, GrowingCache(), GROUPED_DECODE)
     assert len(got) == len(want)
@@ -148,3 +153,64 @@ def test_grouped_attention_over_a_cache_view_matches_sdpa(dtype, q_len):
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got.float(), ref, **tol)
     torch.testing.assert_close(got.float(), packed.float(), **tol)
+
+
+def _spy_attend(monkeypatch) -> list:
+    """Record (slots, contiguous) of every key _attend gets."""
+    from eagle3_platform import attention
+
+    seen, real = [], attention._attend
+    monkeypatch.setattr(attention, "_attend", lambda q, k, v, b, s: seen.append((k.shape[-2], k.is_contiguous()))
+                        or real(q, k, v, b, s))
+    return seen
+
+
+@pytest.mark.parametrize("q_len", [1, 5])
+@pytest.mark.parametrize("masked", [True, False])
+def test_attention_reads_whole_cache_buffers_and_masks_their_spare_slots(q_len, masked, monkeypatch):
+    """A prefix view of a cache_buffer at most WIDEN_UP_TO times wider than it is attended whole
+    (contiguous: no copy inside bmm); the spare slots, here holding stale finite values, are masked
+    out, so the output is the view's. Row groups: each group decides for itself."""
+    from eagle3_platform.attention import cache_buffer, grouped_attention
+
+    B, H, kv, C, d = 4, 6, 2, 48, 16
+    buf_k, buf_v = cache_buffer(torch.empty(0), (B + 1, kv, C, d)), cache_buffer(torch.empty(0), (B + 1, kv, C, d))
+    buf_k.normal_(), buf_v.normal_()  # every slot, spare ones too: stale keys of dropped tokens
+    S = 40
+    k, v = buf_k[:B, :, :S], buf_v[:B, :, :S]
+    q = torch.randn(B, H, q_len, d)
+    allowed = torch.rand(B, 1, q_len, S) < 0.7
+    allowed[..., 0] = True
+    mask = allowed if masked else None
+    want = grouped_attention(q, k.contiguous(), v.contiguous(), mask)
+
+    seen = _spy_attend(monkeypatch)
+    got = grouped_attention(q, k, v, mask)
+    assert seen == [(C, True)]  # the whole buffer, rows 0..B-1
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+    if masked:  # a long group (rows 0-1, all 40 slots) widened; a short one (16 slots of 48) not
+        allowed[2:, ..., 16:] = False  # rows 2-3 hold fewer tokens
+        want = grouped_attention(q, k.contiguous(), v.contiguous(), allowed)
+    seen.clear()
+    got = grouped_attention(q, k, v, mask, row_groups=[(0, 2, S), (2, B, 16)])
+    assert seen == [(C, True), (16, False)]
+    if masked:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+    seen.clear()  # a buffer over 1.5x the span: the view, as given
+    grouped_attention(q, buf_k[:B, :, :30], buf_v[:B, :, :30], None if mask is None else mask[..., :30])
+    assert seen == [(30, False)]
+
+
+def test_attention_never_reads_past_a_view_of_other_tensors(monkeypatch):
+    """Only cache_buffer()s are known to hold finite spare slots: a view of any other tensor is
+    attended as given, even with NaN past its end."""
+    from eagle3_platform.attention import grouped_attention
+
+    buf = torch.randn(2, 2, 24, 8)
+    buf[:, :, 20:] = float("nan")
+    q = torch.randn(2, 4, 1, 8)
+    seen = _spy_attend(monkeypatch)
+    out = grouped_attention(q, buf[:, :, :20], buf[:, :, :20], torch.ones(2, 1, 1, 20, dtype=torch.bool))
+    assert seen == [(20, False)] and bool(out.isfinite().all())

@@ -534,14 +534,18 @@ def record_batches(monkeypatch, what) -> list[list]:
     return batches
 
 
-@pytest.mark.parametrize("budget", [10**6, 100])
-def test_the_batch_refills_within_its_row_and_kv_budgets(varied, tok, budget, monkeypatch):
+@pytest.mark.parametrize("budget, widen_up_to", [(10**6, None), (100, None), (10**6, 100)])
+def test_the_batch_refills_within_its_row_and_kv_budgets(varied, tok, budget, widen_up_to, monkeypatch):
     """Rows that finish leave and the next requests join, in queue order, never beyond max_rows or
     rows x longest reserve > budget (one row always fits); each answer is still per-prompt
-    `generate`'s (fp32 greedy), whatever joined beside it."""
+    `generate`'s (fp32 greedy), whatever joined beside it. widen_up_to 100: every step attends over
+    the whole buffers (spare slots past the stacked rows, as long answers do with the default)."""
     from collections import deque
 
     from eagle3_platform.data import local_gen
+
+    if widen_up_to is not None:
+        monkeypatch.setattr("eagle3_platform.attention.WIDEN_UP_TO", widen_up_to)
 
     model, eos = varied.model, tok.eos_token_id
     prompts = [render_prompt(tok, [{"role": "user", "content": "Tell me a story. " * (i % 4) + f"Item {i}?"}])

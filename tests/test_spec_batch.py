@@ -70,13 +70,16 @@ def _oracle_engine(target, refs, cfg, order):
     return engine
 
 
-@pytest.mark.parametrize("group_overhead", [None, 0])
+@pytest.mark.parametrize("group_overhead, widen_up_to", [(None, None), (0, None), (None, 100), (0, 100)])
 @pytest.mark.parametrize("kind", ["baseline", "chain", "tree", "oracle_chain", "oracle_tree"])
 def test_batched_greedy_equals_target_greedy_whatever_the_batch(target, refs, kind, group_overhead,
-                                                                 monkeypatch):
-    """group_overhead 0: rows of different lengths attend over their own spans (row groups)."""
+                                                                 widen_up_to, monkeypatch):
+    """group_overhead 0: rows of different lengths attend over their own spans (row groups);
+    widen_up_to 100: over their rows' whole buffers (spare slots: rejected drafts, moved rows' leftovers)."""
     if group_overhead is not None:
         monkeypatch.setattr(RaggedCache, "group_overhead", group_overhead)
+    if widen_up_to is not None:
+        monkeypatch.setattr("eagle3_platform.attention.WIDEN_UP_TO", widen_up_to)
     order = PROMPTS + [LONG] + PROMPTS[::-1]
     max_new = [MAX_NEW, 12, MAX_NEW, 5, MAX_NEW, 9, 1]  # rows leave at different steps
     if kind.startswith("oracle"):

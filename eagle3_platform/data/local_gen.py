@@ -40,7 +40,8 @@ from typing import Callable
 
 import torch
 
-from eagle3_platform.kv_cache import MIN_SPARE, GrowingCache
+from eagle3_platform.attention import cache_buffer
+from eagle3_platform.kv_cache import GrowingCache, slot_capacity
 from eagle3_platform.spec.sampling import greedy
 
 
@@ -279,8 +280,7 @@ def _stack(parts: list[tuple]) -> tuple:
         bufs = []
         for kind in ("keys", "values"):
             like = getattr(parts[0][0].layers[layer], kind)  # [b,kv,P,hd]
-            buf = like.new_empty(B, like.shape[1], W + W // 2 + MIN_SPARE, like.shape[3])
-            buf[:, :, :W].zero_()  # padding slots get weight 0, and 0 * NaN would be NaN
+            buf = cache_buffer(like, (B, like.shape[1], slot_capacity(W), like.shape[3]))  # zeroed
             row = 0
             for cache, idx, m, first in taken:
                 buf[row:row + len(idx), :, W - m.shape[1]:W] = getattr(cache.layers[layer], kind)[idx, :, first:]

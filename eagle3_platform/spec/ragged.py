@@ -20,14 +20,15 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-MIN_SPARE = 64  # slots of headroom added on every growth
+from eagle3_platform.attention import cache_buffer
+from eagle3_platform.kv_cache import slot_capacity
 # One more group costs about as much as attending over this many more (row, slot) pairs (SmolLM2,
 # bf16, 2 cores, one decode step, B 8: a 320-token row split from seven ~150-token ones made the step
 # 4% slower at 1 query token, no faster at 5; two ~1000-token rows split off made it 6% and 28%
 # faster; ~/.cache/eagle3-runs/s18/stepgroups.py).
 GROUP_OVERHEAD = 2048
-# Buffers start zeroed, not empty: a masked slot gets weight exactly 0, but 0 * NaN is NaN, and
-# fresh memory may hold NaN bit patterns.
+# Buffers start zeroed (cache_buffer), not empty: a masked slot gets weight exactly 0, but 0 * NaN is
+# NaN, and fresh memory may hold NaN bit patterns.
 
 
 def row_groups(lengths: list[int], q: int, overhead: int = GROUP_OVERHEAD) -> list[tuple[int, int, int]]:
@@ -121,9 +122,9 @@ class RaggedCache(Cache):
         if not self.keys:  # first row ever: buffers shaped like the source's layers
             for layer in cache.layers:
                 _, kv, _, hd = layer.keys.shape
-                shape = (1, kv, n + n // 2 + MIN_SPARE, hd)
-                self.keys.append(layer.keys.new_zeros(shape))
-                self.values.append(layer.values.new_zeros(shape))
+                shape = (1, kv, slot_capacity(n), hd)
+                self.keys.append(cache_buffer(layer.keys, shape))
+                self.values.append(cache_buffer(layer.values, shape))
         self._grow_rows(B + 1)
         self._grow_slots(n)
         shorter = (self.lengths < n).nonzero()
@@ -153,13 +154,13 @@ class RaggedCache(Cache):
 
     def _grow_slots(self, need: int) -> None:
         if self.keys and self.keys[0].shape[2] < need:
-            self._realloc(rows=self.keys[0].shape[0], slots=need + need // 2 + MIN_SPARE)
+            self._realloc(rows=self.keys[0].shape[0], slots=slot_capacity(need))
 
     def _realloc(self, rows: int, slots: int) -> None:
         """Fresh buffers [rows, kv, slots, hd] holding what the current rows hold."""
         B, n = self.rows, int(self.lengths.max()) if self.rows else 0
         for bufs in (self.keys, self.values):
             for i, old in enumerate(bufs):
-                new = old.new_zeros((rows, old.shape[1], slots, old.shape[3]))
+                new = cache_buffer(old, (rows, old.shape[1], slots, old.shape[3]))
                 new[:B, :, :n] = old[:B, :, :n]
                 bufs[i] = new
