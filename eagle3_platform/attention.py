@@ -107,6 +107,8 @@ def _whole_rows(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, t
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor | None:
+    """The whole rows of t's cache_buffer, or None (a view made under inference_mode keeps no base:
+    extraction's prefills are attended as given)."""
     base = t._base
     if base is None or _CACHE_BUFFERS.get(id(base)) is not base or t.is_contiguous():
         return None
