@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from eagle3_platform.draft.quant import INT8_MAX_ROWS, Int8Linear, int8_head, packed_head
-from eagle3_platform.packed_linear import PackedLinear, packing_available
+from eagle3_platform.packed_linear import FusedProjection, PackedLinear, packing_available
 from eagle3_platform.spec.config import PRESETS, SpecConfig
 from eagle3_platform.spec.engine import SpecEngine
 from eagle3_platform.testing.spec import VariedTargetConfig, random_draft, varied_target
@@ -81,6 +81,8 @@ def test_packed_head_is_a_copy_with_the_same_logits():
     draft = random_draft(target, 64)
     packed = packed_head(draft)
     assert isinstance(packed.lm_head, PackedLinear) and isinstance(packed.midlayer.mlp.down_proj, PackedLinear)
+    assert isinstance(packed.midlayer.self_attn.q_proj, FusedProjection)  # q/k/v one matmul
+    assert isinstance(packed.midlayer.mlp.gate_proj, FusedProjection)
     assert isinstance(draft.lm_head, nn.Linear)  # the original untouched
     assert packed.embed_tokens is draft.embed_tokens and packed.d2t is draft.d2t
     aux = torch.randn(1, 3, 3 * draft.cfg.hidden_size)

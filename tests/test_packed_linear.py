@@ -55,3 +55,43 @@ def test_packed_model_logits_match_row_major_in_bf16(tiny_target_dir):
     with torch.inference_mode():
         a, b = plain(ids).logits.float(), packed(ids).logits.float()
     assert (a - b).abs().max() <= 2e-2 * a.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_sibling_projections_share_one_matmul_and_match_their_linears(dtype, bias):
+    """q/k/v (or gate/up) of one input: one matmul, each sibling its slice; a new input, or a sibling
+    asked twice for the same input, computes afresh."""
+    from eagle3_platform.packed_linear import FusedProjection, fuse_siblings
+
+    torch.manual_seed(0)
+    attn = nn.Module()
+    attn.q_proj, attn.k_proj, attn.v_proj = (nn.Linear(48, n, bias=bias).to(dtype) for n in (48, 16, 16))
+    plain = {n: getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj")}
+    assert fuse_siblings(attn) == 3
+    assert all(type(getattr(attn, n)) is FusedProjection for n in plain)
+    for x in (torch.randn(2, 5, 48, dtype=dtype), torch.randn(3, 1, 48, dtype=dtype)):
+        with torch.inference_mode():
+            outs = {n: getattr(attn, n)(x) for n in plain}
+            for n, lin in plain.items():
+                assert outs[n].shape == (*x.shape[:-1], lin.out_features)
+                torch.testing.assert_close(outs[n].float(), lin(x).float(), **TOL[dtype])
+        base = outs["q_proj"].untyped_storage().data_ptr()
+        assert all(o.untyped_storage().data_ptr() == base for o in outs.values())  # one output
+    with torch.inference_mode():
+        first = attn.q_proj(x)
+        again = attn.q_proj(x)  # same input, same sibling: a new matmul, not the old slice
+    assert again.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+    torch.testing.assert_close(again, first)
+
+
+def test_load_target_fuses_each_layers_siblings(tiny_target_dir):
+    from eagle3_platform.packed_linear import FusedProjection
+    from eagle3_platform.target import load_target
+
+    model = load_target(tiny_target_dir).model
+    for layer in model.model.layers:
+        for name in ("q_proj", "k_proj", "v_proj"):
+            assert type(getattr(layer.self_attn, name)) is FusedProjection
+        assert type(layer.mlp.gate_proj) is FusedProjection and type(layer.mlp.up_proj) is FusedProjection
+        assert type(layer.mlp.down_proj) is PackedLinear and type(layer.self_attn.o_proj) is PackedLinear

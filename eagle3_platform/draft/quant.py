@@ -65,10 +65,13 @@ def int8_head(draft: nn.Module) -> nn.Module:
 
 
 def packed_head(draft: nn.Module) -> nn.Module:
-    """A copy of the head on oneDNN-packed weights (packed_linear.py), `draft` left as it was."""
-    from eagle3_platform.packed_linear import PackedLinear, packing_available
+    """A copy of the head on oneDNN-packed weights (packed_linear.py: q/k/v and gate/up fused),
+    `draft` left as it was."""
+    from eagle3_platform.packed_linear import pack_linears
 
-    return _head_copy(draft, PackedLinear if packing_available() else (lambda lin: lin))
+    copied = _head_copy(draft, lambda lin: lin)
+    pack_linears(copied)
+    return copied
 
 
 def _head_copy(draft: nn.Module, swap) -> nn.Module:
