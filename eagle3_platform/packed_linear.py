@@ -23,6 +23,16 @@ def packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> the same weight in oneDNN's blocked layout (an opaque tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+
+def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """[..., in] -> [..., out] = x @ Wᵀ + b with W from pack_weight."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class PackedLinear(nn.Module):
     """y = x @ Wᵀ + b with W held in oneDNN's layout (an opaque tensor: not a parameter, not in the
     state dict, no autograd). Built from an nn.Linear, whose weight it replaces."""
@@ -30,11 +40,11 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+        self.packed = pack_weight(linear.weight)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return packed_matmul(x, self.packed, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
@@ -48,7 +58,7 @@ class SharedInput:
 
     def __init__(self, linears: list[nn.Linear]):
         self.sizes = [lin.out_features for lin in linears]
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat([lin.weight.detach() for lin in linears]))
+        self.packed = pack_weight(torch.cat([lin.weight.detach() for lin in linears]))
         biases = [lin.bias for lin in linears]
         self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
         self._state: tuple = (None, (), frozenset())  # (input, its outputs, siblings served)
@@ -60,7 +70,7 @@ class SharedInput:
         read and replaced as one tuple: a concurrent caller can only cause a recomputation."""
         held, outs, served = self._state
         if held is not x or i in served:
-            out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            out = packed_matmul(x, self.packed, self.bias)
             held, outs, served = x, out.split(self.sizes, dim=-1), frozenset()
         served = served | {i}
         # every sibling served: let go of the input and the output

@@ -69,16 +69,18 @@ def packed_head(draft: nn.Module) -> nn.Module:
     `draft` left as it was."""
     from eagle3_platform.packed_linear import pack_linears
 
-    copied = _head_copy(draft, lambda lin: lin)
+    copied = _head_copy(draft)
     pack_linears(copied)
     return copied
 
 
-def _head_copy(draft: nn.Module, swap) -> nn.Module:
+def _head_copy(draft: nn.Module, swap=None) -> nn.Module:
+    """A copy of the head sharing its frozen embedding and RoPE; its linears through `swap` if given."""
     from eagle3_platform.packed_linear import swap_linears
 
     copied = copy.copy(draft)
     copied._modules = {name: m if name in ("embed_tokens", "rotary") else copy.deepcopy(m)
                        for name, m in draft._modules.items()}
-    swap_linears(copied, swap)
+    if swap is not None:
+        swap_linears(copied, swap)
     return copied
