@@ -77,7 +77,7 @@ def feature_shards(context: AssetExecutionContext, storage: StorageResource, tar
     res = {s: _extract_split(context, w, s, storage, target, preset, compute) for s in SPLITS}
     header = res["train"].get("header") or {}
     meta = {"workload": w, "preset": preset.name, **target.lineage(),
-            **{k: str(header[k]) for k in ("template_hash", "tokenizer_hash", "dtype", "max_length")
+            **{k: str(header[k]) for k in ("template_hash", "tokenizer_hash", "dtype", "compute_dtype", "max_length")
                if k in header},
             "features_uri": MetadataValue.path(res["train"]["uri"]),
             "eval_features_uri": MetadataValue.path(res["eval"]["uri"])}

@@ -4,18 +4,36 @@
 and float32 elsewhere: on this project's CPUs a 5-token bf16 forward costs what a 1-token one does,
 while in fp32 it costs 1.74x (DESIGN.md §5), which decides whether speculation pays.
 Exact greedy losslessness needs exact arithmetic: tests that assert it pin float32.
+
+Two kinds of work read that differently. A decode or verify step multiplies a few rows by every
+weight: memory-bound, so half the bytes win wherever bf16 is native. Dense work (feature extraction,
+training: thousands of rows per weight) is compute-bound, and there the flag does not say enough: an
+Intel CPU with avx512_bf16 but no AMX (a VM that hides AMX) issues its bf16 dot products at the rate
+of fp32 FMAs, plus conversions, so bf16 is slower there (SmolLM2 shapes, 2 threads: a [48,576]x[576,
+8192] matmul 2.8 ms bf16 vs 1.6 ms fp32; head training 510 vs 840 tok/s; extraction 550 vs 780
+tok/s), while on Zen 4 it is twice as fast. So for dense work `auto` measures: one matmul in both
+dtypes, once per machine (the result is cached on disk, so a stage's dtype does not flip between
+runs), and bf16 only where it is clearly faster.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import json
 import os
+import time
 from pathlib import Path
 
 import torch
 
+from eagle3_platform.paths import cache_root
+
 DTYPES = ("auto", "bfloat16", "float32")
+WORK = ("decode", "dense")  # few rows per weight read (memory-bound) | many (compute-bound)
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+DENSE_BF16_MIN_SPEEDUP = 1.1  # bf16 must beat fp32 by this much on dense work to be worth its rounding
+PROBE_FILE = "compute_probe.json"
 
 
 @functools.lru_cache(maxsize=1)
@@ -36,24 +54,86 @@ def has_native_bf16(device: str = "cpu") -> bool:
     return any(f in cpu_flags() for f in CPU_BF16_FLAGS)
 
 
-def resolve_dtype(name: str, device: str = "cpu") -> str:
-    """'auto' | 'bfloat16' | 'float32' -> the concrete dtype name the models run in."""
+def resolve_dtype(name: str, device: str = "cpu", work: str = "decode") -> str:
+    """'auto' | 'bfloat16' | 'float32' -> the concrete dtype name the models run in, for `work`
+    ('decode': serving, regeneration; 'dense': extraction, training)."""
     if name not in DTYPES:
         raise ValueError(f"compute dtype {name!r}: expected one of {DTYPES}")
+    if work not in WORK:
+        raise ValueError(f"work {work!r}: expected one of {WORK}")
     if name != "auto":
         return name
-    return "bfloat16" if has_native_bf16(device) else "float32"
+    if not has_native_bf16(device):
+        return "float32"
+    if work == "dense" and not device.startswith("cuda"):
+        return "bfloat16" if dense_bf16_speedup() >= DENSE_BF16_MIN_SPEEDUP else "float32"
+    return "bfloat16"
 
 
-def torch_dtype(name: str, device: str = "cpu") -> torch.dtype:
-    return getattr(torch, resolve_dtype(name, device))
+def torch_dtype(name: str, device: str = "cpu", work: str = "decode") -> torch.dtype:
+    return getattr(torch, resolve_dtype(name, device, work))
 
 
 def autocast(dtype: str, device: str = "cpu"):
-    """bf16 autocast when `dtype` resolves to bfloat16 (parameters stay fp32: mixed precision), else a
-    no-op context."""
-    on = resolve_dtype(dtype, device) == "bfloat16"
+    """bf16 autocast when `dtype` resolves to bfloat16 for dense work (training: parameters stay fp32,
+    mixed precision), else a no-op context."""
+    on = resolve_dtype(dtype, device, "dense") == "bfloat16"
     return torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=on)
+
+
+@functools.lru_cache(maxsize=1)
+def dense_bf16_speedup() -> float:
+    """fp32 time / bf16 time of a dense matmul on this CPU: read from the machine's probe file, or
+    measured once (~0.2 s) and written there. Keyed by CPU model, flags and torch version."""
+    path = cache_root() / PROBE_FILE
+    key = _machine_key()
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    entry = known.get(key) if isinstance(known, dict) else None
+    if isinstance(entry, dict) and isinstance(entry.get("dense_bf16_speedup"), (int, float)):
+        return float(entry["dense_bf16_speedup"])
+    speedup = _measure_dense_bf16_speedup()
+    known = known if isinstance(known, dict) else {}
+    known[key] = {"dense_bf16_speedup": round(speedup, 3), "torch_threads": torch.get_num_threads()}
+    try:  # best effort: an unwritable cache only means measuring again next time
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(known, indent=2))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return speedup
+
+
+def _machine_key() -> str:
+    model = ""
+    try:
+        model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), "")
+    except OSError:
+        pass
+    text = "|".join([model, " ".join(sorted(cpu_flags())), torch.__version__])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@torch.inference_mode()
+def _measure_dense_bf16_speedup(rows: int = 512, reps: int = 5) -> float:
+    """Best of `reps` interleaved [rows,576]x[576,1536] matmuls per dtype (SmolLM2's MLP shape)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, 576, generator=gen)
+    w = torch.randn(1536, 576, generator=gen)
+    pairs = {torch.float32: (x, w), torch.bfloat16: (x.bfloat16(), w.bfloat16())}
+    best = {dt: float("inf") for dt in pairs}
+    for rep in range(reps + 2):  # the first two rounds warm the kernels up
+        for dt, (a, b) in pairs.items():
+            t0 = time.perf_counter()
+            for _ in range(4):
+                torch.nn.functional.linear(a, b)
+            if rep >= 2:
+                best[dt] = min(best[dt], time.perf_counter() - t0)
+    return best[torch.float32] / best[torch.bfloat16]
 
 
 def resolve_threads(threads: int) -> int:

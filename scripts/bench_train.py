@@ -106,7 +106,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (1: on a shared 2-core box, 2 threads thrash under contention)")
     args = ap.parse_args()
-    dtype, path_threads = resolve_dtype(args.dtype), resolve_threads(args.path_threads)
+    dtype, path_threads = resolve_dtype(args.dtype, work="dense"), resolve_threads(args.path_threads)
     B, T = args.tokens // args.seq_len, args.seq_len
     cases = {int(v): Case(int(v), B, T, args.K) for v in args.draft_vocab.split(",")}
     times: dict[tuple[int, str], list[float]] = {}

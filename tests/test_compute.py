@@ -1,6 +1,8 @@
 """Compute dtype selection (auto -> bf16 only where the hardware has it) and thread counts."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -25,6 +27,53 @@ def test_auto_is_bf16_on_a_cpu_with_native_bf16(cpu_with, flag):
 def test_auto_is_fp32_on_a_cpu_without_bf16(cpu_with):
     cpu_with("avx512f")  # AVX-512 alone emulates bf16: slower than fp32
     assert compute.resolve_dtype("auto") == "float32"
+
+
+@pytest.mark.parametrize("speedup,dense", [(0.55, "float32"), (1.05, "float32"), (2.0, "bfloat16")])
+def test_dense_work_takes_bf16_only_where_the_probe_finds_it_faster(cpu_with, monkeypatch, speedup, dense):
+    cpu_with("avx512_bf16")  # an Intel CPU without AMX has the flag and computes bf16 at fp32's rate
+    monkeypatch.setattr(compute, "dense_bf16_speedup", lambda: speedup)
+    assert compute.resolve_dtype("auto", work="dense") == dense
+    assert compute.resolve_dtype("auto") == compute.resolve_dtype("auto", work="decode") == "bfloat16"
+    with compute.autocast("auto"):  # training's autocast is dense work
+        assert torch.is_autocast_enabled("cpu") == (dense == "bfloat16")
+    assert compute.resolve_dtype("bfloat16", work="dense") == "bfloat16"  # explicit wins
+    with pytest.raises(ValueError, match="work"):
+        compute.resolve_dtype("auto", work="prefill")
+
+
+def test_dense_work_never_probes_without_native_bf16(cpu_with, monkeypatch):
+    cpu_with("avx512f")
+    monkeypatch.setattr(compute, "dense_bf16_speedup", lambda: pytest.fail("probed"))
+    assert compute.resolve_dtype("auto", work="dense") == "float32"
+
+
+def test_dense_probe_runs_once_per_machine_and_is_kept_on_disk(monkeypatch, tmp_path):
+    monkeypatch.setenv("EAGLE3_CACHE", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(compute, "_measure_dense_bf16_speedup", lambda: calls.append(1) or 0.6)
+    compute.dense_bf16_speedup.cache_clear()
+    try:
+        assert compute.dense_bf16_speedup() == 0.6 and len(calls) == 1
+        compute.dense_bf16_speedup.cache_clear()  # a new process on the same machine: read, not measured
+        assert compute.dense_bf16_speedup() == 0.6 and len(calls) == 1
+        probe = json.loads((tmp_path / compute.PROBE_FILE).read_text())
+        assert list(probe.values())[0]["dense_bf16_speedup"] == 0.6
+        monkeypatch.setattr(compute, "_machine_key", lambda: "another-cpu")  # other CPU or torch
+        compute.dense_bf16_speedup.cache_clear()
+        assert compute.dense_bf16_speedup() == 0.6 and len(calls) == 2
+        assert len(json.loads((tmp_path / compute.PROBE_FILE).read_text())) == 2
+        (tmp_path / compute.PROBE_FILE).write_text("{not json")  # corrupt: measured again, rewritten
+        compute.dense_bf16_speedup.cache_clear()
+        assert compute.dense_bf16_speedup() == 0.6 and len(calls) == 3
+        assert "another-cpu" in json.loads((tmp_path / compute.PROBE_FILE).read_text())
+    finally:
+        compute.dense_bf16_speedup.cache_clear()
+
+
+def test_dense_probe_measures_a_ratio_of_matmul_times():
+    r = compute._measure_dense_bf16_speedup(rows=16, reps=1)
+    assert 0.02 < r < 50  # fp32 time / bf16 time: positive and finite whatever the CPU
 
 
 def test_explicit_dtypes_win_over_the_probe(cpu_with):

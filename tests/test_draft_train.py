@@ -71,6 +71,7 @@ def test_cli_train_outputs_and_eval(tiny_target_dir, features, tmp_path):
     s = _cli("--target", str(tiny_target_dir), "--features", str(features[0]), "--out", str(out),
              "--eval-features", str(features[1]))
     assert s["ok"] and s["steps"] > 0 and len(s["eval"]["acc"]) == PRESETS["tiny"].ttt_steps
+    assert s["compute_dtype"] == "float32"  # the tiny preset pins it; `auto` is resolved and recorded
     assert 1.0 <= s["eval_simulated_acceptance"] <= 1 + PRESETS["tiny"].ttt_steps
     for f in ("draft.safetensors", "draft_config.json", "metrics.json", "vocab.safetensors"):
         assert (out / f).exists()
@@ -78,7 +79,7 @@ def test_cli_train_outputs_and_eval(tiny_target_dir, features, tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("preset", ["tiny", "cpu"])  # cpu: its K, Vd, batch and bf16 autocast where native
+@pytest.mark.parametrize("preset", ["tiny", "cpu"])  # cpu: its K, Vd, batch and bf16 autocast where it pays
 def test_resume_after_sigkill_matches_the_uninterrupted_run(tiny_target_dir, features, tmp_path, preset):
     common = ["--target", str(tiny_target_dir), "--features", str(features[0]), "--epochs", "20",
               "--ckpt-every", "2"]

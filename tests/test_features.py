@@ -276,6 +276,20 @@ def test_padded_batches_match_one_at_a_time(tiny_target, tiny_target_dir, tmp_pa
         torch.testing.assert_close(a[i]["aux_hidden"].float(), b[i]["aux_hidden"].float(), atol=2e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("speedup,want", [(0.55, "float32"), (2.0, "bfloat16")])
+def test_auto_extraction_runs_the_target_in_the_dtype_dense_work_pays_for(tiny_target, tiny_target_dir,
+                                                                           tmp_path, monkeypatch,
+                                                                           speedup, want):
+    from eagle3_platform import compute
+
+    monkeypatch.setattr(compute, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
+    monkeypatch.setattr(compute, "dense_bf16_speedup", lambda: speedup)
+    conv = _write_conv(tmp_path / "conv.jsonl", _conversations(tiny_target, 3))
+    s = extract_file(tiny_target_dir, conv, tmp_path / "out", replace(TINY, target_dtype="auto"))
+    assert s["samples"] == 3
+    assert read_header(tmp_path / "out" / shard_name(0))["compute_dtype"] == want
+
+
 def _mtimes(d: Path) -> dict[str, int]:
     return {p.name: p.stat().st_mtime_ns for p in sorted(d.glob("shard-*.safetensors"))}
 

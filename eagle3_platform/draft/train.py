@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from eagle3_platform.compute import autocast, set_threads
+from eagle3_platform.compute import autocast, resolve_dtype, set_threads
 from eagle3_platform.draft.metrics import simulated_acceptance
 from eagle3_platform.draft.model import DraftConfig, Eagle3Draft, build_draft, target_head_weights, \
     target_hf_config
@@ -61,8 +61,8 @@ class TrainConfig:
     # since fc(g) is not the target's final state), so off; kept as an option
     init_from_target: bool = False
     num_threads: int | None = None     # torch intra-op threads (None/0: every core)
-    # compute dtype of the head's forward (bf16 autocast where native, compute.resolve_dtype); master
-    # weights and AdamW state stay fp32 and the loss is computed in fp32 (ttt.step_terms)
+    # compute dtype of the head's forward (bf16 autocast where it pays for dense work,
+    # compute.resolve_dtype); master weights and AdamW state stay fp32, the loss is fp32 (ttt.step_terms)
     dtype: str = "auto"
 
 
@@ -306,6 +306,8 @@ def train(target_dir, feature_dirs, out_dir, cfg: TrainConfig, resume: bool = Fa
                    "train": {k: v for k, v in _cfg_dict(cfg).items() if k != "num_threads"},
                    "target": expect, "total_steps": total}
     start, history = _maybe_resume(out_dir, resume, draft, opt, fingerprint)
+    # resolved after the fingerprint: `auto` stays the setting (a resumed run may compute otherwise)
+    run_cfg = replace(cfg, dtype=resolve_dtype(cfg.dtype, work="dense"))
     model = TTTLoss(draft, cfg.ttt_steps)
     ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
     K, t0, tokens = cfg.ttt_steps, time.time(), 0
@@ -313,7 +315,7 @@ def train(target_dir, feature_dirs, out_dir, cfg: TrainConfig, resume: bool = Fa
     bar = tqdm(range(start, total), desc="train", file=sys.stderr, disable=rank != 0, initial=start,
                total=total)
     for step in bar:
-        stats, n_tok = _train_step(ddp, opt, params, ds, plan[step], lm_head, draft, cfg,
+        stats, n_tok = _train_step(ddp, opt, params, ds, plan[step], lm_head, draft, run_cfg,
                                    lr_at(step, total, cfg), rank, world)
         loss_acc, n_acc = loss_acc + float(stats[0]), n_acc + 1
         acc_c, acc_n = acc_c + stats[1:1 + K], acc_n + stats[1 + K:]
@@ -333,9 +335,9 @@ def train(target_dir, feature_dirs, out_dir, cfg: TrainConfig, resume: bool = Fa
     wall = time.time() - t0
     summary = {"out_dir": str(out_dir), "steps": total, "resumed_from": start, "world_size": world,
                "train_tokens": tokens, "train_tokens_per_s": tokens / wall if wall and tokens else None,
-               "vocab": vstats, "history": history}
+               "vocab": vstats, "history": history, "compute_dtype": run_cfg.dtype}
     if rank == 0:
-        summary.update(_final_eval(draft, ds, eval_dirs, expect, lm_head, cfg))
+        summary.update(_final_eval(draft, ds, eval_dirs, expect, lm_head, run_cfg))
         _write_outputs(out_dir, draft, cfg, expect, feature_dirs, summary)
         _log(f"done: {total} steps; train sim. acceptance {summary['train_eval']['simulated_acceptance']:.3f}")
     barrier()

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from pydantic import ValidationError
 
+from eagle3_platform.compute import resolve_dtype
 from eagle3_platform.features.capture import forward_capture
 from eagle3_platform.features.shards import (MANIFEST, ShardError, check_shard, read_header,
                                              read_manifest, rows_from_shards, shard_name,
@@ -40,7 +41,7 @@ class FeatureConfig:
     max_length: int  # longer conversations are truncated to this many tokens (and counted)
     batch_tokens: int  # padded tokens (B * longest) per target forward; <= longest => one at a time
     dtype: str = "bfloat16"  # stored feature dtype
-    target_dtype: str = "auto"  # dtype the target runs in (compute.resolve_dtype)
+    target_dtype: str = "auto"  # dtype the target runs in (compute.resolve_dtype, dense work)
     device: str = "auto"  # "auto" = cuda when available, else cpu
 
     def __post_init__(self):
@@ -239,7 +240,8 @@ def extract_file(target_dir: str | Path, conv_path: str | Path, out_dir: str | P
     t0 = time.perf_counter()
     if target is None:
         device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        target = load_target(target_dir, dtype=cfg.target_dtype, device=device)
+        # whole conversations per forward: dense work (compute.py), where bf16 may not pay
+        target = load_target(target_dir, dtype=resolve_dtype(cfg.target_dtype, device, "dense"), device=device)
     header = target_header(target, cfg)
     sink = _sink(out_dir, storage, prefix)
     local = sink.local
