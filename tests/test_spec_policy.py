@@ -189,3 +189,50 @@ def test_a_cut_draft_costs_its_depth_in_every_row_of_a_batch():
     r1 = p.depth_drafted[1]  # ~half the rows draft depth 1: nearly every batch of 8 has one that does
     assert 0 < r1 < 1 and abs(p.depth(1, 8) - (1 - (1 - r1) ** 8)) < 1e-9 and p.depth(1, 8) > r1
     assert chosen[-100:].count(0) >= 90
+
+
+def _drive_with_catch_ups(policy, batch_size, cost, accept_depth, steps, catch_up_s):
+    """Like _simulate, but a step that drafts after one that did not reports a head catch-up of
+    catch_up_s(step index) seconds (the rows' backlogs). -> indices of the steps that drafted."""
+    drafted, prev = [], 0
+    for i in range(steps):
+        k = policy.choose(batch_size)
+        caught_up = catch_up_s(i) if k and not prev else 0.0
+        policy.observe(batch_size, k, cost(k), [min(k, accept_depth)] * batch_size, catch_up_s=caught_up)
+        if k:
+            drafted.append(i)
+        prev = k
+    return drafted
+
+
+def test_re_measures_away_from_plain_decoding_wait_out_the_heads_catch_up():
+    """Plain decoding best at batch 8; each re-measure first runs the head over every row's backlog,
+    here 20 plain steps' worth: the next re-measure waits until plain steps have cost 20 / 5% = 400
+    steps (capped at 256), instead of the doubling gaps 32, 64, 128."""
+    cost = lambda k: 0.04 * (1 + 1.5 * k)  # noqa: E731
+    free = _drive_with_catch_ups(DraftSizePolicy(4, explore_every=16), 8, cost, 1, 700, lambda i: 0.0)
+    p = DraftSizePolicy(4, explore_every=16)
+    dear = _drive_with_catch_ups(p, 8, cost, 1, 700, lambda i: 20 * 0.04)
+    assert p.best(8) == 0
+    assert free[:5] == dear[:5]  # the first look at each size is not held back
+    gaps = [b - a for a, b in zip(dear[4:], dear[5:])]
+    assert gaps and min(gaps) >= 256
+    assert [b - a for a, b in zip(free[4:], free[5:])][:2] == [32, 64]
+    assert len(dear) < len(free)
+
+
+def test_catch_ups_while_drafting_pays_do_not_delay_re_measures():
+    """At batch 1 the head drafts every step; a new request's prompt is caught up on its first step.
+    That is not a switch away from plain decoding, so the re-measure schedule is unchanged."""
+    cost = lambda k: 0.030 + 0.001 * k  # noqa: E731
+    runs = []
+    for catch_up in (0.0, 0.5):
+        p = DraftSizePolicy(4, explore_every=16)
+        chosen = []
+        for i in range(300):
+            k = p.choose(1)
+            p.observe(1, k, cost(k), [min(k, 3)], catch_up_s=catch_up if i % 40 == 0 else 0.0)
+            chosen.append(k)
+        runs.append(chosen)
+        assert p.best(1) == 3
+    assert runs[0] == runs[1]
