@@ -75,21 +75,3 @@ def test_new_prompts_wait_for_room_in_the_batch():
 def test_settings_that_would_stall_the_worker_are_refused(kw):
     with pytest.raises(ValueError, match="need max_batch"):
         _worker(**kw)
-
-
-def test_the_policy_sees_each_steps_catch_up_apart_from_its_cost():
-    from eagle3_platform.spec.policy import DraftSizePolicy
-
-    seen = []
-
-    class Spy(DraftSizePolicy):
-        def observe(self, batch_size, k, seconds, accepted, drafted=None, catch_up_s=0.0):
-            seen.append((batch_size, seconds, catch_up_s))
-            super().observe(batch_size, k, seconds, accepted, drafted, catch_up_s)
-
-    worker, batch = _worker(policy=Spy(k_max=4))
-    _submit(worker, "a", 3, [])
-    _loop(worker, batch)
-    batch.step_s, batch.catch_up_s = 0.03, 0.25
-    worker._step(batch)
-    assert seen == [(1, 0.03, 0.25)]

@@ -45,24 +45,15 @@ clearly wins (plain decoding at batch 8 on 2 cores) every re-measure is a step a
 the head's catch-up over the steps it skipped, ~10% of throughput at a fixed 1 in 16
 (scripts/bench_batch.py); where sizes are close, a re-measure costs little and keeps the line honest.
 A k is only left for one predicted to be `SWITCH_MARGIN` faster (no flapping on noise).
-Leaving plain decoding costs more than the step: the head first runs over every row's backlog (the
-prompts and all tokens since it last drafted; the catch-up, timed apart from the step), which at
-batch 16 is ~6k tokens, ~0.3 s on 2 cores. So a re-measure from plain decoding also pushes the next
-one out until the plain steps in between have cost catch_up / SWITCH_BUDGET: at most 5% of the time
-goes to such switches. (Without it, re-measures after 16, 32, 64 steps of ~0.2 s at batch 16 each paid
-such a catch-up: an estimated ~5-10% of a 24 s Locust cell, where the demo's EAGLE-3 server lost 5-13%
-to the baseline at c >= 4 while drafting in ~5% of its steps; session 21.)
 """
 from __future__ import annotations
 
-import math
 from collections import Counter
 
 EMA = 0.1  # weight of a new step in the running means (acceptance and the cost lines)
 SWITCH_MARGIN = 0.02  # leave the current k only for a predicted gain above 2%
 MAX_EXPLORE_GAP = 256  # steps of a bucket between re-measures once its choice has held for a while
 CLOSE_RATE = 0.1  # a neighbour predicted within 10% of the best is re-measured at the base rate
-SWITCH_BUDGET = 0.05  # share of the time that re-measures away from plain decoding may spend catching up
 
 
 class CostLine:
@@ -192,14 +183,11 @@ class DraftSizePolicy:
         return k
 
     def observe(self, batch_size: int, k: int, seconds: float, accepted: list[int],
-                drafted: list[int] | None = None, catch_up_s: float = 0.0) -> None:
-        """One finished step at draft size k: its wall time (without the head's catch-up), each
-        sequence's accepted draft tokens, the depth its draft reached (None: k for every row, a draft
-        never cut short) and the catch-up's seconds (the head over the rows' backlogs first)."""
+                drafted: list[int] | None = None) -> None:
+        """One finished step at draft size k: its wall time, each sequence's accepted draft tokens and
+        the depth its draft reached (None: k for every row, a draft never cut short)."""
         drafted = [k] * len(accepted) if drafted is None else drafted
         b = _bucket(batch_size)
-        if k > 0 and catch_up_s > 0 and self._incumbent.get(b) == 0:
-            self._wait_out_switch(b, batch_size, catch_up_s)
         self.hist[k] += 1
         lo, hi = self.caps.get(b, (k, k))
         self.caps[b] = (min(lo, k), max(hi, k))
@@ -216,15 +204,6 @@ class DraftSizePolicy:
             tried = [a for a, m in zip(accepted, drafted) if a >= d - 1 and m >= d]  # parent accepted
             if tried:
                 self._update(self.depth_accept, "h", d, sum(a >= d for a in tried) / len(tried))
-
-    def _wait_out_switch(self, b: int, batch_size: int, catch_up_s: float) -> None:
-        """A re-measure away from plain decoding paid catch_up_s: the next one waits until the plain
-        steps since cost catch_up_s / SWITCH_BUDGET (at most MAX_EXPLORE_GAP steps)."""
-        plain_step = self.plain.get(b, 0.0) * batch_size
-        if plain_step <= 0 or b not in self._next_explore:
-            return
-        wait = min(MAX_EXPLORE_GAP, math.ceil(catch_up_s / (SWITCH_BUDGET * plain_step)))
-        self._next_explore[b] = max(self._next_explore[b], self._steps[b] + wait)
 
     def _update(self, means: dict, kind: str, d: int, x: float) -> None:
         """means[d] <- x: the mean of an optimistic pseudo-step (1.0) and the first 1/EMA updates, then

@@ -58,7 +58,6 @@ class FakeBatch:
 
     def __init__(self, engine: "FakeEngine"):
         self.engine, self.rows = engine, []
-        self.step_s = self.catch_up_s = 0.0  # what Batch reports of its last step (timings)
 
     def open(self, input_ids, max_new_tokens, temperature=0.0, stop=(), seed=None) -> FakeRequest:
         return FakeRequest(self.engine, input_ids, max_new_tokens, temperature, stop, seed)
