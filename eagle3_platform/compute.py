@@ -8,10 +8,12 @@ Exact greedy losslessness needs exact arithmetic: tests that assert it pin float
 Two kinds of work read that differently. A decode or verify step multiplies a few rows by every
 weight: memory-bound, so half the bytes win wherever bf16 is native. Dense work (feature extraction,
 training: thousands of rows per weight) is compute-bound, and there the flag does not say enough: an
-Intel CPU with avx512_bf16 but no AMX (a VM that hides AMX) issues its bf16 dot products at the rate
-of fp32 FMAs, plus conversions, so bf16 is slower there (SmolLM2 shapes, 2 threads: a [48,576]x[576,
+Intel CPU with avx512_bf16 but no AMX (a VM that hides AMX) multiplies bf16 no faster than fp32
+(measured; oneDNN runs its avx512_core_bf16 kernels), so there bf16 only saves memory traffic and
+loses on dense work (SmolLM2 shapes, 2 threads: a [48,576]x[576,
 8192] matmul 2.8 ms bf16 vs 1.6 ms fp32; head training 510 vs 840 tok/s; extraction 550 vs 780
-tok/s), while on Zen 4 it is twice as fast. So for dense work `auto` measures: one matmul in both
+tok/s), while the AMD EPYC (Zen 4) of earlier sessions ran a 5-token bf16 forward 2.2x faster than
+fp32 (the issue's figures). So for dense work `auto` measures: one matmul in both
 dtypes, once per machine (the result is cached on disk, so a stage's dtype does not flip between
 runs), and bf16 only where it is clearly faster.
 """
