@@ -39,15 +39,24 @@ PROBE_FILE = "compute_probe.json"
 
 
 @functools.lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
+def _cpuinfo() -> dict[str, str]:
+    """The first CPU's /proc/cpuinfo fields ({} where there is none: not Linux)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
-    except OSError:  # not Linux: no flags known, so no native bf16 claimed
-        return frozenset()
+    except OSError:
+        return {}
+    fields: dict[str, str] = {}
     for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """No flags known (not Linux): no native bf16 claimed."""
+    return frozenset(_cpuinfo().get("flags", "").split())
 
 
 def has_native_bf16(device: str = "cpu") -> bool:
@@ -110,13 +119,7 @@ def dense_bf16_speedup() -> float:
 
 
 def _machine_key() -> str:
-    model = ""
-    try:
-        model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("model name")), "")
-    except OSError:
-        pass
-    text = "|".join([model, " ".join(sorted(cpu_flags())), torch.__version__])
+    text = "|".join([_cpuinfo().get("model name", ""), " ".join(sorted(cpu_flags())), torch.__version__])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
