@@ -31,4 +31,6 @@ def test_smollm2_train_export_roundtrip(smollm2_dir, tmp_path):
     with torch.no_grad():
         la = a.logits(a.backbone(a.embed(ids), a.project(aux), torch.arange(5)[None])[0])
         lb = b.logits(b.backbone(b.embed(ids), b.project(aux), torch.arange(5)[None])[0])
-    assert torch.equal(la, lb)
+    # two model objects with the same fp32 weights: equal up to summation order (oneDNN may pick its
+    # path by buffer alignment), far below what one wrong tensor or a bf16 rounding would move
+    torch.testing.assert_close(la, lb, rtol=1e-6, atol=1e-6)
