@@ -19,6 +19,13 @@ attention itself (B 48, 514 cached tokens, one layer: 2.2 ms, 1.2 ms over contig
 0.21 vs 0.08 ms). So where the buffer is at most WIDEN_UP_TO times the span, attention runs over the
 rows' whole buffers instead, the spare slots masked out: contiguous, no copy. That needs the spare
 slots finite (0 * NaN is NaN), so only buffers made by `cache_buffer` (zeroed) are widened.
+
+The cache may hold keys/values in fp32 under a bf16 model (the batch cache does where bf16 matmuls
+are slow: compute.kv_cache_dtype); attention then runs in the cache's dtype and hands back the
+query's. Its two matmuls per layer are small and dense, and on a CPU without fast bf16 arithmetic they
+run 2-4x slower in bf16 than in fp32 (Intel avx512_bf16 without AMX, one [1,3,3,64] x [1,3,64,300]
+product: 33 vs 15 µs; ~/.cache/eagle3-runs/s22/bmm.py). bf16 values are exact in fp32, so this only
+drops the rounding of the softmax weights.
 """
 from __future__ import annotations
 
@@ -39,9 +46,10 @@ WIDEN_UP_TO = 1.5
 _CACHE_BUFFERS: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
 
 
-def cache_buffer(like: torch.Tensor, shape) -> torch.Tensor:
-    """A zeroed KV cache buffer [rows, kv, slots, hd], registered as safe to read past a view's slots."""
-    buf = like.new_zeros(shape)
+def cache_buffer(like: torch.Tensor, shape, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A zeroed KV cache buffer [rows, kv, slots, hd] (like's dtype unless given), registered as safe
+    to read past a view's slots."""
+    buf = like.new_zeros(shape, dtype=dtype)
     _CACHE_BUFFERS[id(buf)] = buf
     return buf
 
@@ -54,6 +62,7 @@ def grouped_decode_attention(module, query, key, value, attention_mask, scaling=
     mask); a maskless multi-token query is a causal prefill and goes to sdpa."""
     H, q, kv = query.shape[1], query.shape[2], key.shape[1]
     if H % kv or (q > 1 and (attention_mask is None or q > MAX_GROUPED_QUERY)):
+        key, value = key.to(query.dtype), value.to(query.dtype)  # sdpa takes one dtype (mostly a no-op)
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
     return grouped_attention(query, key, value, attention_mask, scaling, row_groups).transpose(1, 2), None
@@ -62,9 +71,12 @@ def grouped_decode_attention(module, query, key, value, attention_mask, scaling=
 def grouped_attention(query, key, value, mask=None, scaling=None, row_groups=None):
     """query [B,H,q,d], key/value [B,kv,S,d], mask bool (True = attend) or additive [B|1,1,q,S'] with
     S' >= S, or None (every query sees every key) -> out [B,H,q,d]. Head h reads key/value head
-    h // (H/kv), as repeat_kv does, without copying the cache. Softmax in fp32.
+    h // (H/kv), as repeat_kv does, without copying the cache. Softmax in fp32; the matmuls in the
+    cache's dtype, the result in the query's.
     row_groups: [(start, stop, span)] covering rows 0..B-1; rows start..stop-1 attend over slots
     [0, span) only (the mask must hide everything of theirs beyond it)."""
+    if query.dtype != key.dtype:  # an fp32 cache under a bf16 model
+        return grouped_attention(query.to(key.dtype), key, value, mask, scaling, row_groups).to(query.dtype)
     B, H, q, d = query.shape
     r = H // key.shape[1]
     scale = d ** -0.5 if scaling is None else scaling

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3_platform.compute import resolve_dtype
+from eagle3_platform.compute import kv_cache_dtype, resolve_dtype
 from eagle3_platform.paths import cache_root  # noqa: F401  (re-exported: callers use target.cache_root)
 from eagle3_platform.records import sha256_file
 
@@ -97,12 +97,13 @@ def identity(path: str | Path) -> dict:
 
 
 def load_target(path: str | Path, dtype: str = "float32", device: str = "cpu", pack: bool = True) -> Target:
-    """dtype: 'auto' | 'bfloat16' | 'float32' (compute.resolve_dtype); recorded in meta['dtype'].
+    """dtype: 'auto' | 'bfloat16' | 'float32' (compute.resolve_dtype); recorded in meta['dtype'], and
+    the dtype decode batches keep their KV cache in (compute.kv_cache_dtype) in meta['kv_cache_dtype'].
     pack: on CPU, the linear layers on oneDNN's packed layout (packed_linear.py; False = torch's
     row-major kernels, for A/B); meta['packed_linears'] counts them."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    dtype = resolve_dtype(dtype, device)
+    setting, dtype = dtype, resolve_dtype(dtype, device)
     path = Path(path)
     if not (path / META_FILE).exists():
         raise FileNotFoundError(f"{path} is not a prepared target; run `eagle3 prepare-target`")
@@ -117,7 +118,8 @@ def load_target(path: str | Path, dtype: str = "float32", device: str = "cpu", p
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return Target(model=model, tokenizer=tok,
-                  meta={**read_meta(path), "dtype": dtype, "packed_linears": packed})
+                  meta={**read_meta(path), "dtype": dtype, "kv_cache_dtype": kv_cache_dtype(setting, device),
+                        "packed_linears": packed})
 
 
 def _describe(path: Path, model: str, source_hash: str) -> dict:

@@ -103,6 +103,20 @@ def test_threads_zero_means_every_core_and_negative_is_refused():
         compute.resolve_threads(-1)
 
 
+@pytest.mark.parametrize("speedup,want", [(0.55, "float32"), (2.0, "bfloat16")])
+def test_kv_cache_is_fp32_where_dense_bf16_work_is_slow(cpu_with, monkeypatch, speedup, want):
+    """A decode batch's cache (and its attention) is dense work in a bf16 model: fp32 where the probe
+    finds bf16 matmuls slow, bf16 where they are fast; explicit dtypes and no-bf16 CPUs as ever."""
+    cpu_with("avx512_bf16")
+    monkeypatch.setattr(compute, "dense_bf16_speedup", lambda: speedup)
+    assert compute.resolve_dtype("auto") == "bfloat16"
+    assert compute.kv_cache_dtype("auto") == want
+    assert compute.kv_cache_dtype("bfloat16") == "bfloat16"
+    assert compute.kv_cache_dtype("float32") == "float32"
+    cpu_with("avx512f")
+    assert compute.kv_cache_dtype("auto") == "float32"
+
+
 def test_autocast_is_on_only_for_bf16(cpu_with):
     cpu_with()
     with compute.autocast("auto"):
@@ -114,11 +128,16 @@ def test_autocast_is_on_only_for_bf16(cpu_with):
 
 
 @pytest.mark.parametrize("flags,want", [(("avx512_bf16",), torch.bfloat16), ((), torch.float32)])
-def test_target_loads_in_the_resolved_dtype_and_records_it(cpu_with, tiny_target_dir, flags, want):
+def test_target_loads_in_the_resolved_dtype_and_records_it(cpu_with, tiny_target_dir, monkeypatch, flags, want):
     cpu_with(*flags)
+    monkeypatch.setattr(compute, "dense_bf16_speedup", lambda: 0.5)  # bf16 matmuls slow: fp32 cache
     t = load_target(tiny_target_dir, dtype="auto")
     assert next(t.model.parameters()).dtype is want
     assert t.meta["dtype"] == str(want).removeprefix("torch.")
+    assert t.meta["kv_cache_dtype"] == "float32"
+    from eagle3_platform.spec.engine import SpecEngine
+    from eagle3_platform.spec.config import PRESETS
+    assert SpecEngine(t, None, PRESETS["baseline"]).batch().cache.kv_dtype is torch.float32
 
 
 def test_threads_block_runs_on_n_threads_and_restores_the_count():

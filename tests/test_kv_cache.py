@@ -155,6 +155,43 @@ def test_grouped_attention_over_a_cache_view_matches_sdpa(dtype, q_len):
     torch.testing.assert_close(got.float(), packed.float(), **tol)
 
 
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_grouped_attention_over_an_fp32_cache_under_bf16_queries_runs_in_fp32(q_len):
+    """A bf16 model over an fp32 cache (compute.kv_cache_dtype): the result is in the query's dtype and
+    is fp32 attention over those (bf16-valued) keys, rounded once (tolerance: one bf16 rounding, as
+    the fp32 sums may run in another order)."""
+    from eagle3_platform.attention import grouped_attention
+
+    B, H, kv, S, d = 3, 6, 2, 40, 16
+    bf = torch.bfloat16
+    k16, v16 = torch.randn(B, kv, S + 24, d, dtype=bf), torch.randn(B, kv, S + 24, d, dtype=bf)
+    k32, v32 = k16.float()[:, :, :S], v16.float()[:, :, :S]  # the same values, a view of a wider buffer
+    q = torch.randn(B, H, q_len, d, dtype=bf)
+    allowed = torch.rand(B, 1, q_len, S) < 0.7
+    allowed[..., 0] = True
+    got = grouped_attention(q, k32, v32, allowed)
+    assert got.dtype is bf
+    rep = H // kv
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k32.repeat_interleave(rep, 1), v32.repeat_interleave(rep, 1), attn_mask=allowed)
+    torch.testing.assert_close(got.float(), ref, atol=1e-5, rtol=2 ** -8)
+
+
+def test_sdpa_fallback_takes_an_fp32_cache_under_a_bf16_query():
+    """A maskless multi-token query (a prefill) goes to sdpa, which needs one dtype."""
+    from eagle3_platform.attention import grouped_decode_attention
+
+    mod = torch.nn.Module()
+    mod.is_causal = True
+    q = torch.randn(1, 4, 6, 8, dtype=torch.bfloat16)
+    k, v = torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    mod.num_key_value_groups = 2
+    out, _ = grouped_decode_attention(mod, q, k, v, None)
+    want, _ = grouped_decode_attention(mod, q, k.bfloat16(), v.bfloat16(), None)
+    assert out.dtype is torch.bfloat16
+    torch.testing.assert_close(out, want)
+
+
 def _spy_attend(monkeypatch) -> list:
     """Record (slots, contiguous) of every key _attend gets."""
     from eagle3_platform import attention

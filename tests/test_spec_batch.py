@@ -201,6 +201,40 @@ def test_ragged_forward_matches_each_row_alone(target, grouped, monkeypatch):
         torch.testing.assert_close(got[b], want[0], atol=1e-4, rtol=1e-4)
 
 
+@torch.no_grad()
+def test_fp32_batch_cache_under_a_bf16_model(tiny_target_dir):
+    """compute.kv_cache_dtype's fp32 cache under a bf16 model: prompts copied in and keys written by a
+    verify forward are the bf16 values exactly (fp32 holds every bf16), and the forward's logits are
+    what the bf16 cache gives, within bf16 rounding (attention runs in fp32 instead)."""
+    from eagle3_platform.target import load_target
+
+    model = load_target(tiny_target_dir, "bfloat16").model
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 60, (1, n), generator=g) for n in (5, 11, 8)]
+    caches = {dt: RaggedCache(dt) for dt in (None, torch.float32)}
+    for ids in prompts:
+        c = GrowingCache()
+        model(input_ids=ids, past_key_values=c, use_cache=True)
+        for cache in caches.values():
+            cache.add_row(c, ids.shape[1])
+    wide, narrow = caches[torch.float32], caches[None]
+    assert wide.keys[0].dtype is torch.float32 and narrow.keys[0].dtype is torch.bfloat16
+    for a, b in zip(wide.keys + wide.values, narrow.keys + narrow.values):
+        assert torch.equal(a[:3, :, :11], b[:3, :, :11].float())
+    new = torch.randint(3, 60, (3, 4), generator=g)
+    anc = torch.ones(4, 4, dtype=torch.bool).tril().repeat(3, 1, 1)  # a chain of 4 per row
+    logits = {}
+    for dt, cache in caches.items():
+        pos = cache.lengths[:, None] + torch.arange(4)
+        cache.begin(4)
+        logits[dt] = model(input_ids=new, attention_mask=cache.mask(anc), position_ids=pos,
+                           past_key_values=cache, use_cache=True).logits
+    assert logits[torch.float32].dtype is torch.bfloat16
+    # layer 0's keys/values, the verify's new ones included, are the same bf16 values in both caches
+    assert torch.equal(wide.keys[0], narrow.keys[0].float()) and torch.equal(wide.values[0], narrow.values[0].float())
+    torch.testing.assert_close(logits[torch.float32].float(), logits[None].float(), atol=0.05, rtol=0.02)
+
+
 def test_row_groups_split_where_a_span_would_waste_more_than_a_call():
     """Contiguous groups minimising attended (row, slot) pairs + a cost per group."""
     assert row_groups([1000, 100, 90, 80], 1, overhead=100) == [(0, 1, 1001), (1, 4, 101)]

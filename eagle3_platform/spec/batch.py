@@ -80,7 +80,7 @@ class Batch:
 
     def __init__(self, engine):
         self.engine = engine
-        self.cache = RaggedCache()
+        self.cache = RaggedCache(engine.cache_dtype)
         self.rows: list[Request] = []  # rows[b] owns cache row b (the cache keeps them longest first)
         self.catch_up_s = 0.0  # of the last step: drafter backlogs appended before drafting
         self.step_s = 0.0  # of the last step, without catch_up_s: what its draft size cost

@@ -36,6 +36,8 @@ class SpecEngine:
         self.target, self.model, self.cfg = target, target.model, cfg
         self.target_threads = target_threads
         self.dtype = next(self.model.parameters()).dtype
+        cache_dtype = target.meta.get("kv_cache_dtype")  # the batch cache's (load_target decides)
+        self.cache_dtype = getattr(torch, cache_dtype) if cache_dtype else self.dtype
         self.draft = draft if cfg.speculative else None
         if isinstance(self.draft, torch.nn.Module):  # the head computes in the target's dtype (bf16 on CPU)
             self.draft = self.draft.cast_parameters(self.dtype)

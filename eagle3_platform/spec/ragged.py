@@ -9,6 +9,9 @@ key), so rows never need aligning: no left padding, no per-step concatenation, n
 Rows come and go between forwards: `add_row` copies a prefilled sequence in, `drop_row` closes the
 hole; rows 0..B-1 are always the running ones, kept longest first.
 
+The buffers may be wider than the model's dtype (fp32 under a bf16 model where bf16 matmuls are
+slow: compute.kv_cache_dtype); writes convert, exactly, and attention runs in the buffers' dtype.
+
 Why longest first: one long prompt in the batch would make every row attend over its span (a
 1000-token document among 150-token chats: 8 rows x 1100 slots where ~2000 hold tokens). Rows kept
 in length order split into contiguous groups of similar length (`row_groups`), and attention runs
@@ -55,8 +58,10 @@ def row_groups(lengths: list[int], q: int, overhead: int = GROUP_OVERHEAD) -> li
 class RaggedCache(Cache):
     group_overhead = GROUP_OVERHEAD  # tests set 0: every row of its own length a group
 
-    def __init__(self):
+    def __init__(self, dtype: torch.dtype | None = None):
+        """dtype: of the buffers (None: the model's keys'); attention runs in it (attention.py)."""
         super().__init__(layers=[])
+        self.kv_dtype = dtype
         self.keys: list[torch.Tensor] = []  # per layer [rows_cap, kv, slots_cap, hd]
         self.values: list[torch.Tensor] = []
         self.lengths = torch.zeros(0, dtype=torch.long)  # [B] committed tokens per row, longest first
@@ -90,6 +95,7 @@ class RaggedCache(Cache):
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """key/value_states [B,kv,q,hd] -> this layer's keys/values over the span, [B,kv,S,hd]."""
         k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
+        key_states, value_states = key_states.to(k_buf.dtype), value_states.to(v_buf.dtype)
         B, q = self._slots.shape
         if B == 1:  # one row: a slice write, no index tensors
             n = int(self.lengths[0])
@@ -123,8 +129,8 @@ class RaggedCache(Cache):
             for layer in cache.layers:
                 _, kv, _, hd = layer.keys.shape
                 shape = (1, kv, slot_capacity(n), hd)
-                self.keys.append(cache_buffer(layer.keys, shape))
-                self.values.append(cache_buffer(layer.values, shape))
+                self.keys.append(cache_buffer(layer.keys, shape, self.kv_dtype))
+                self.values.append(cache_buffer(layer.values, shape, self.kv_dtype))
         self._grow_rows(B + 1)
         self._grow_slots(n)
         shorter = (self.lengths < n).nonzero()
