@@ -26,6 +26,7 @@ from eagle3_platform.features.capture import forward_capture
 from eagle3_platform.spec.batch import Batch
 from eagle3_platform.spec.config import PRESETS, SpecConfig
 from eagle3_platform.spec.drafter import EagleDrafter
+from eagle3_platform.spec.forward import step_forward, supports
 from eagle3_platform.spec.lookup import LookupDrafter
 
 
@@ -50,6 +51,7 @@ class SpecEngine:
         self.layer_ids = list(head_layers or target.meta["capture_layer_ids"])
         self.eos_ids = eos_token_ids(target.tokenizer, self.model)
         self.grouped_attention = getattr(self.model.config, "_attn_implementation", None) == GROUPED_DECODE
+        self.use_step_forward = supports(self.model)  # steps skip transformers' plumbing (forward.py)
         self.last_stats: dict = {}
 
     # ---- public API -------------------------------------------------------------------------------
@@ -93,12 +95,17 @@ class SpecEngine:
     def forward(self, ids, mask, pos, cache, drafter, logits_to_keep: int = 0, row_groups=None):
         """-> (logits [B,T,V] (the last logits_to_keep positions' if > 0), aux [B,T,3H] | None);
         `cache` is updated in place. Features only when a draft consumes them. row_groups: a ragged
-        cache's (start, stop, span) groups, for attention.py's grouped kernel (others ignore them)."""
+        cache's (start, stop, span) groups, for attention.py's grouped kernel (others ignore them).
+        A step (positions and a mask given, or one row's one token) of a Llama-style target runs
+        forward.py's loop; prefill chunks and other models run transformers' forward."""
         kw = dict(attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
                   logits_to_keep=logits_to_keep)
         if row_groups is not None and self.grouped_attention:  # one group: attention's plain path
             kw["row_groups"] = row_groups
         with threads(self.target_threads):
+            if self.use_step_forward and pos is not None and (mask is not None or ids.shape == (1, 1)):
+                layers = self.layer_ids if drafter is not None else ()
+                return step_forward(self.model, ids, pos, mask, cache, layers, logits_to_keep, row_groups)
             if drafter is None:
                 return self.model(input_ids=ids, **kw).logits, None
             out = forward_capture(self.model, ids, self.layer_ids, **kw)

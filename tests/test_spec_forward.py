@@ -1,0 +1,112 @@
+"""The engine's step forward (spec/forward.py) computes what transformers' forward computes for the
+same step: logits, EAGLE-3 features and the cache it writes (same modules and functions in the same
+order, same shapes and threads: equal up to at most last-bit effects; compared with a tight tolerance)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from eagle3_platform.features.capture import forward_capture
+from eagle3_platform.kv_cache import GrowingCache
+from eagle3_platform.spec import forward as fwd
+from eagle3_platform.spec.config import PRESETS
+from eagle3_platform.spec.engine import SpecEngine
+from eagle3_platform.spec.ragged import RaggedCache
+from eagle3_platform.spec.tree import ancestor_matrix, depths
+from eagle3_platform.target import load_target
+from eagle3_platform.testing.oracle import OracleDrafter
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _caches(model, lengths, gen):
+    """Two identical ragged caches holding prompts of these lengths."""
+    a, b = RaggedCache(), RaggedCache()
+    for n in lengths:
+        c = GrowingCache()
+        model(input_ids=torch.randint(3, 60, (1, n), generator=gen), past_key_values=c, use_cache=True)
+        a.add_row(c, n)
+        b.add_row(c, n)
+    return a, b
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("rows", [1, 3])
+@torch.no_grad()
+def test_step_forward_equals_transformers_forward(tiny_target_dir, dtype, rows):
+    """rows 3: a tree verify over rows of different lengths (row groups); rows 1: one decode token
+    with no mask, as the engine's batch-1 plain step."""
+    target = load_target(tiny_target_dir, dtype)
+    model, layers = target.model, target.layer_ids
+    assert fwd.supports(model)
+    g = torch.Generator().manual_seed(0)
+    ours, theirs = _caches(model, [9, 14, 6][:rows], g)
+    RaggedCache.group_overhead, saved = 0, RaggedCache.group_overhead  # every row its own group
+    try:
+        if rows == 1:
+            ids, mask, q = torch.randint(3, 60, (1, 1), generator=g), None, 1
+            pos = ours.lengths[:, None].clone()
+        else:
+            parents = torch.tensor([-1, 0, 0, 1, 2])
+            q = 5
+            ids = torch.randint(3, 60, (rows, q), generator=g)
+            anc = ancestor_matrix(parents).repeat(rows, 1, 1)
+            pos = ours.lengths[:, None] + depths(parents)
+        outs = []
+        for cache, run in ((ours, "ours"), (theirs, "theirs")):
+            cache.begin(q)
+            m = None if rows == 1 else cache.mask(anc)
+            if run == "ours":
+                outs.append(fwd.step_forward(model, ids, pos, m, cache, layers, row_groups=cache.groups))
+            else:
+                cap = forward_capture(model, ids, layers, attention_mask=m, position_ids=pos,
+                                      past_key_values=cache, use_cache=True, row_groups=cache.groups)
+                outs.append((cap.logits, cap.aux_hidden))
+    finally:
+        RaggedCache.group_overhead = saved
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == "float32" else dict(atol=1e-3, rtol=1e-3)  # < 1 bf16 ulp
+    (lo, ao), (lt, at) = outs
+    assert lo.shape == lt.shape == (rows, q, model.config.vocab_size) and ao.shape == at.shape
+    torch.testing.assert_close(lo.float(), lt.float(), **tol)
+    torch.testing.assert_close(ao.float(), at.float(), **tol)
+    for x, y in zip(ours.keys + ours.values, theirs.keys + theirs.values):
+        torch.testing.assert_close(x.float(), y.float(), **tol)
+    ours.begin(1)  # no drafter: no features; logits_to_keep as transformers' argument
+    m1 = None if rows == 1 else ours.mask(torch.ones(rows, 1, 1, dtype=torch.bool))
+    logits, aux = fwd.step_forward(model, ids[:, :1], pos[:, :1], m1, ours, (), logits_to_keep=1)
+    assert aux is None and logits.shape == (rows, 1, model.config.vocab_size)
+
+
+def test_only_llama_style_models_on_the_grouped_kernel_take_it(tiny_target_dir):
+    model = load_target(tiny_target_dir, "float32", pack=False).model  # row-major: deepcopy-able
+    assert fwd.supports(model)
+    other = copy.deepcopy(model)
+    other.set_attn_implementation("sdpa")
+    assert not fwd.supports(other)
+    other = copy.deepcopy(model)
+    other.config.model_type = "qwen3"  # q/k norms: not the same layer
+    assert not fwd.supports(other)
+
+
+def test_engine_steps_run_it_and_keep_greedy_output(tiny_target_dir, monkeypatch):
+    """The engine's verify steps go through step_forward (prefill through transformers); with it
+    switched off the same oracle-drafted greedy output and acceptance come out (fp32)."""
+    target = load_target(tiny_target_dir, "float32")
+    ids = target.tokenizer("hello there, how are", add_special_tokens=False)["input_ids"]
+    plain = SpecEngine(target, None, PRESETS["baseline"])
+    ref, _ = plain.generate(ids, 24)
+    calls = []
+    real = fwd.step_forward
+    monkeypatch.setattr("eagle3_platform.spec.engine.step_forward",
+                        lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    results = []
+    for on in (True, False):
+        engine = SpecEngine(target, OracleDrafter(ref, target.model.config.vocab_size, 4), PRESETS["chain"])
+        engine.use_step_forward = on
+        n = len(calls)
+        out, stats = engine.generate(ids, 24)
+        assert (len(calls) > n) == on
+        results.append((out, stats["verify_steps"], stats["accept_hist"]))
+    assert results[0] == results[1] and results[0][0] == ref
