@@ -35,7 +35,7 @@ def _caches(model, lengths, gen):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("rows", [1, 3])
 @torch.no_grad()
-def test_step_forward_equals_transformers_forward(tiny_target_dir, dtype, rows):
+def test_step_forward_equals_transformers_forward(tiny_target_dir, monkeypatch, dtype, rows):
     """rows 3: a tree verify over rows of different lengths (row groups); rows 1: one decode token
     with no mask, as the engine's batch-1 plain step."""
     target = load_target(tiny_target_dir, dtype)
@@ -43,29 +43,26 @@ def test_step_forward_equals_transformers_forward(tiny_target_dir, dtype, rows):
     assert fwd.supports(model)
     g = torch.Generator().manual_seed(0)
     ours, theirs = _caches(model, [9, 14, 6][:rows], g)
-    RaggedCache.group_overhead, saved = 0, RaggedCache.group_overhead  # every row its own group
-    try:
-        if rows == 1:
-            ids, mask, q = torch.randint(3, 60, (1, 1), generator=g), None, 1
-            pos = ours.lengths[:, None].clone()
+    monkeypatch.setattr(RaggedCache, "group_overhead", 0)  # every row its own group
+    if rows == 1:
+        ids, mask, q = torch.randint(3, 60, (1, 1), generator=g), None, 1
+        pos = ours.lengths[:, None].clone()
+    else:
+        parents = torch.tensor([-1, 0, 0, 1, 2])
+        q = 5
+        ids = torch.randint(3, 60, (rows, q), generator=g)
+        anc = ancestor_matrix(parents).repeat(rows, 1, 1)
+        pos = ours.lengths[:, None] + depths(parents)
+    outs = []
+    for cache, run in ((ours, "ours"), (theirs, "theirs")):
+        cache.begin(q)
+        m = None if rows == 1 else cache.mask(anc)
+        if run == "ours":
+            outs.append(fwd.step_forward(model, ids, pos, m, cache, layers, row_groups=cache.groups))
         else:
-            parents = torch.tensor([-1, 0, 0, 1, 2])
-            q = 5
-            ids = torch.randint(3, 60, (rows, q), generator=g)
-            anc = ancestor_matrix(parents).repeat(rows, 1, 1)
-            pos = ours.lengths[:, None] + depths(parents)
-        outs = []
-        for cache, run in ((ours, "ours"), (theirs, "theirs")):
-            cache.begin(q)
-            m = None if rows == 1 else cache.mask(anc)
-            if run == "ours":
-                outs.append(fwd.step_forward(model, ids, pos, m, cache, layers, row_groups=cache.groups))
-            else:
-                cap = forward_capture(model, ids, layers, attention_mask=m, position_ids=pos,
-                                      past_key_values=cache, use_cache=True, row_groups=cache.groups)
-                outs.append((cap.logits, cap.aux_hidden))
-    finally:
-        RaggedCache.group_overhead = saved
+            cap = forward_capture(model, ids, layers, attention_mask=m, position_ids=pos,
+                                  past_key_values=cache, use_cache=True, row_groups=cache.groups)
+            outs.append((cap.logits, cap.aux_hidden))
     tol = dict(atol=1e-6, rtol=1e-6) if dtype == "float32" else dict(atol=1e-3, rtol=1e-3)  # < 1 bf16 ulp
     (lo, ao), (lt, at) = outs
     assert lo.shape == lt.shape == (rows, q, model.config.vocab_size) and ao.shape == at.shape

@@ -98,14 +98,15 @@ class SpecEngine:
         cache's (start, stop, span) groups, for attention.py's grouped kernel (others ignore them).
         A step (positions and a mask given, or one row's one token) of a Llama-style target runs
         forward.py's loop; prefill chunks and other models run transformers' forward."""
+        if self.use_step_forward and pos is not None and (mask is not None or ids.shape == (1, 1)):
+            layers = self.layer_ids if drafter is not None else ()
+            with threads(self.target_threads):
+                return step_forward(self.model, ids, pos, mask, cache, layers, logits_to_keep, row_groups)
         kw = dict(attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
                   logits_to_keep=logits_to_keep)
         if row_groups is not None and self.grouped_attention:  # one group: attention's plain path
             kw["row_groups"] = row_groups
         with threads(self.target_threads):
-            if self.use_step_forward and pos is not None and (mask is not None or ids.shape == (1, 1)):
-                layers = self.layer_ids if drafter is not None else ()
-                return step_forward(self.model, ids, pos, mask, cache, layers, logits_to_keep, row_groups)
             if drafter is None:
                 return self.model(input_ids=ids, **kw).logits, None
             out = forward_capture(self.model, ids, self.layer_ids, **kw)
