@@ -36,6 +36,11 @@ WORK = ("decode", "dense")  # few rows per weight read (memory-bound) | many (co
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 DENSE_BF16_MIN_SPEEDUP = 1.1  # bf16 must beat fp32 by this much on dense work to be worth its rounding
 PROBE_FILE = "compute_probe.json"
+# Rows from which a bf16 linear multiplies in fp32 where bf16 arithmetic is slow. SmolLM2 engine steps,
+# Intel avx512_bf16 without AMX, 2 threads (~/.cache/eagle3-runs/s23/wideab.py): fp32 from 8 rows
+# slowed batch-8 plain steps 52 -> 60 ms, from 16 rows batch-16 ones 79 -> 85 ms; from 32 rows it costs
+# no step and saves 9-16% of batch 8-16 verifies and 27% of a prefill.
+WIDE_FP32_ROWS = 32
 
 
 @functools.lru_cache(maxsize=1)
@@ -90,6 +95,16 @@ def kv_cache_dtype(name: str, device: str = "cpu") -> str:
     cache's bytes."""
     decode = resolve_dtype(name, device)
     return "float32" if "float32" in (decode, resolve_dtype(name, device, "dense")) else decode
+
+
+def wide_matmul_rows(name: str, device: str = "cpu") -> int:
+    """Rows from which a bf16 model's CPU linear layers multiply on an fp32 copy of their weights
+    (packed_linear.PackedWeight); 0 = never. Under `auto` where decode runs in bf16 but dense work
+    resolves to fp32: a matmul of many rows is dense work. Explicit dtypes keep their arithmetic."""
+    if name != "auto" or not device.startswith("cpu"):
+        return 0
+    wide = resolve_dtype(name, device) == "bfloat16" and resolve_dtype(name, device, "dense") == "float32"
+    return WIDE_FP32_ROWS if wide else 0
 
 
 def torch_dtype(name: str, device: str = "cpu", work: str = "decode") -> torch.dtype:

@@ -12,6 +12,13 @@ Sibling projections of one input (an attention's q/k/v, an MLP's gate/up: `SIBLI
 packed matmul over their stacked weights: the first sibling called computes all of them, the others
 take their slice. Five calls per layer become two (SmolLM2's 30 layers, bf16, 2 threads: 1.6-2.3 ms
 saved per step at 1-48 rows, ~/.cache/eagle3-runs/s20/fuse.py; a whole forward 1.01-1.06x, fusefwd.py).
+
+Wide inputs (`wide_rows`, compute.wide_matmul_rows): where bf16 arithmetic is slow (an Intel CPU with
+avx512_bf16 but no AMX), a bf16 weight is also held packed in fp32, and matmuls of at least that
+many rows (prefill chunks, verify steps of a batch, regeneration's batches) run on it: compute-bound
+there, and fp32 multiplies ~1.6x faster than bf16 at 48 rows. A few rows stay on the bf16 weight,
+whose half bytes win while streaming weights is the cost. Same products (bf16 values are exact in
+fp32), fp32 accumulation either way; the output is rounded to the input's dtype.
 """
 from __future__ import annotations
 
@@ -33,21 +40,41 @@ def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+class PackedWeight:
+    """A weight (and bias) packed for oneDNN; a bf16 one with wide_rows > 0 also in fp32, which
+    inputs of at least wide_rows rows multiply instead. Invariant: both paths give x @ Wᵀ + b in x's
+    dtype within one rounding of it (same products, fp32 accumulation, another summation order)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, wide_rows: int = 0):
+        weight = weight.detach()
+        self.packed, self.bias = pack_weight(weight), bias
+        self.wide_rows = wide_rows if weight.dtype == torch.bfloat16 else 0
+        self.wide = pack_weight(weight.float()) if self.wide_rows else None
+        self.wide_bias = None if bias is None or not self.wide_rows else bias.detach().float()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        if self.wide is not None and x.numel() >= self.wide_rows * x.shape[-1]:
+            return packed_matmul(x.float(), self.wide, self.wide_bias).to(x.dtype)
+        return packed_matmul(x, self.packed, self.bias)
+
+
 class PackedLinear(nn.Module):
     """y = x @ Wᵀ + b with W held in oneDNN's layout (an opaque tensor: not a parameter, not in the
     state dict, no autograd). Built from an nn.Linear, whose weight it replaces."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, wide_rows: int = 0):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = pack_weight(linear.weight)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.weight_packed = PackedWeight(linear.weight, self.bias, wide_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        return packed_matmul(x, self.packed, self.bias)
+        return self.weight_packed.matmul(x)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
+        wide = self.weight_packed.wide_rows
+        return (f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
+                + (f", fp32 from {wide} rows" if wide else ""))
 
 
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # Llama-family: one input each
@@ -56,11 +83,11 @@ SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # Llama-f
 class SharedInput:
     """Sibling linears of one input as one packed matmul. Not a module: its FusedProjections are."""
 
-    def __init__(self, linears: list[nn.Linear]):
+    def __init__(self, linears: list[nn.Linear], wide_rows: int = 0):
         self.sizes = [lin.out_features for lin in linears]
-        self.packed = pack_weight(torch.cat([lin.weight.detach() for lin in linears]))
         biases = [lin.bias for lin in linears]
-        self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        self.weight_packed = PackedWeight(torch.cat([lin.weight.detach() for lin in linears]), bias, wide_rows)
         self._state: tuple = (None, (), frozenset())  # (input, its outputs, siblings served)
 
     def project(self, x: torch.Tensor, i: int) -> torch.Tensor:
@@ -70,7 +97,7 @@ class SharedInput:
         read and replaced as one tuple: a concurrent caller can only cause a recomputation."""
         held, outs, served = self._state
         if held is not x or i in served:
-            out = packed_matmul(x, self.packed, self.bias)
+            out = self.weight_packed.matmul(x)
             held, outs, served = x, out.split(self.sizes, dim=-1), frozenset()
         served = served | {i}
         # every sibling served: let go of the input and the output
@@ -93,17 +120,19 @@ class FusedProjection(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fused={self.index}"
 
 
-def pack_linears(model: nn.Module) -> int:
+def pack_linears(model: nn.Module, wide_rows: int = 0) -> int:
     """Swap every CPU nn.Linear of `model` for a PackedLinear in place (siblings of one input for
     FusedProjections); returns how many. A tied lm_head gets its own packed copy (the embedding keeps
-    its weight). No-op without oneDNN."""
+    its weight). wide_rows > 0: bf16 weights also packed in fp32 for inputs of that many rows or more
+    (PackedWeight). No-op without oneDNN."""
     if not packing_available():
         return 0
-    fused = fuse_siblings(model)
-    return fused + swap_linears(model, lambda lin: PackedLinear(lin) if lin.weight.device.type == "cpu" else lin)
+    fused = fuse_siblings(model, wide_rows)
+    return fused + swap_linears(
+        model, lambda lin: PackedLinear(lin, wide_rows) if lin.weight.device.type == "cpu" else lin)
 
 
-def fuse_siblings(model: nn.Module) -> int:
+def fuse_siblings(model: nn.Module, wide_rows: int = 0) -> int:
     """Each module holding a SIBLINGS group as CPU nn.Linears of one dtype and in_features gets
     FusedProjections in their place; returns how many linears were replaced."""
     fused = 0
@@ -114,7 +143,7 @@ def fuse_siblings(model: nn.Module) -> int:
                 continue
             if len({(lin.in_features, lin.weight.dtype, lin.bias is None) for lin in linears}) != 1:
                 continue
-            shared = SharedInput(linears)
+            shared = SharedInput(linears, wide_rows)
             for i, (name, lin) in enumerate(zip(names, linears)):
                 setattr(parent, name, FusedProjection(shared, i, lin.in_features))
             fused += len(names)

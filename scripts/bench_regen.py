@@ -6,7 +6,8 @@ dtype (auto = bf16 where the CPU has it), length-planned batches and its thread 
 `--reference no_cache_reuse`: the preset's path with every turn re-prefilling its history (multi-turn
 KV cache reuse off). Same prompts (train prompts of `--workload` from `eagle3 sources`), same greedy
 budget, in one process; the paths alternate which goes first per repeat. Response PII scanning is
-off: this measures generation.
+off: this measures generation. With `--reference bf16_only`: the preset's path with dtype pinned to
+bfloat16, so every matmul stays bf16 (no fp32 copies for wide ones: compute.wide_matmul_rows).
 
     python scripts/bench_regen.py --target ~/.cache/eagle3-runs/smol --prompts 64 --preset demo
     python scripts/bench_regen.py --workload multi_turn --prompts 48 --preset cpu --reference no_cache_reuse
@@ -52,7 +53,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--preset", default="demo")
     ap.add_argument("--workload", default="chat")
-    ap.add_argument("--reference", default="turn1_demo_path", choices=["turn1_demo_path", "no_cache_reuse"])
+    ap.add_argument("--reference", default="turn1_demo_path", choices=["turn1_demo_path", "no_cache_reuse", "bf16_only"])
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default: the preset's")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default=None, help="optional JSON results file")
@@ -67,6 +68,8 @@ def main() -> None:
     ref = a.reference
     if ref == "turn1_demo_path":
         old = replace(new, dtype="float32", batch_size=8, torch_threads=1, packed_linears=False)
+    elif ref == "bf16_only":
+        old = replace(new, dtype="bfloat16")
     else:
         old = replace(new, reuse_turn_cache=False)
     work = Path(tempfile.mkdtemp(prefix="bench-regen-"))

@@ -117,6 +117,17 @@ def test_kv_cache_is_fp32_where_dense_bf16_work_is_slow(cpu_with, monkeypatch, s
     assert compute.kv_cache_dtype("auto") == "float32"
 
 
+@pytest.mark.parametrize("speedup,want", [(0.55, compute.WIDE_FP32_ROWS), (2.0, 0)])
+def test_wide_bf16_matmuls_run_in_fp32_only_where_dense_bf16_work_is_slow(cpu_with, monkeypatch, speedup, want):
+    cpu_with("avx512_bf16")
+    monkeypatch.setattr(compute, "dense_bf16_speedup", lambda: speedup)
+    assert compute.wide_matmul_rows("auto") == want
+    assert compute.wide_matmul_rows("bfloat16") == compute.wide_matmul_rows("float32") == 0
+    assert compute.wide_matmul_rows("auto", "cuda") == 0
+    cpu_with("avx512f")  # fp32 model: nothing to widen
+    assert compute.wide_matmul_rows("auto") == 0
+
+
 def test_autocast_is_on_only_for_bf16(cpu_with):
     cpu_with()
     with compute.autocast("auto"):
@@ -135,6 +146,7 @@ def test_target_loads_in_the_resolved_dtype_and_records_it(cpu_with, tiny_target
     assert next(t.model.parameters()).dtype is want
     assert t.meta["dtype"] == str(want).removeprefix("torch.")
     assert t.meta["kv_cache_dtype"] == "float32"
+    assert t.meta["wide_fp32_rows"] == (compute.WIDE_FP32_ROWS if want is torch.bfloat16 else 0)
     from eagle3_platform.spec.engine import SpecEngine
     from eagle3_platform.spec.config import PRESETS
     assert SpecEngine(t, None, PRESETS["baseline"]).batch().cache.kv_dtype is torch.float32

@@ -95,3 +95,46 @@ def test_load_target_fuses_each_layers_siblings(tiny_target_dir):
             assert type(getattr(layer.self_attn, name)) is FusedProjection
         assert type(layer.mlp.gate_proj) is FusedProjection and type(layer.mlp.up_proj) is FusedProjection
         assert type(layer.mlp.down_proj) is PackedLinear and type(layer.self_attn.o_proj) is PackedLinear
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_wide_bf16_inputs_multiply_on_fp32_weights_within_one_bf16_rounding(monkeypatch, bias):
+    """wide_rows 8: inputs of 8+ rows take the fp32 copy, fewer the bf16 weight; both equal the fp32
+    product of the bf16 values within one bf16 rounding, and the output stays bf16."""
+    import eagle3_platform.packed_linear as pl
+
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 96, bias=bias).to(torch.bfloat16)
+    packed = PackedLinear(lin, wide_rows=8)
+    seen = []
+    real = pl.packed_matmul
+    monkeypatch.setattr(pl, "packed_matmul", lambda x, w, b: seen.append(x.dtype) or real(x, w, b))
+    for shape, path in (((2, 3, 64), torch.bfloat16), ((2, 4, 64), torch.float32), ((9, 64), torch.float32),
+                        ((1, 7, 64), torch.bfloat16)):
+        x = torch.randn(shape).to(torch.bfloat16)
+        with torch.inference_mode():
+            out = packed(x)
+        assert seen.pop() is path and out.dtype is torch.bfloat16
+        want = x.float() @ lin.weight.float().T + (lin.bias.float() if bias else 0)
+        # one bf16 rounding of the output: relative 2^-8
+        assert ((out.float() - want).abs() <= want.abs() * 2 ** -8 + 1e-6).all()
+    assert "fp32 from 8 rows" in repr(packed)
+
+
+def test_wide_copies_are_bf16_only_and_shared_inputs_take_them(monkeypatch):
+    import eagle3_platform.packed_linear as pl
+
+    fp32 = PackedLinear(nn.Linear(16, 16), wide_rows=2)
+    assert fp32.weight_packed.wide is None and fp32.weight_packed.wide_rows == 0  # already fp32
+    attn = nn.Module()
+    attn.q_proj, attn.k_proj, attn.v_proj = (nn.Linear(32, 32, bias=False).to(torch.bfloat16) for _ in range(3))
+    plain = attn.q_proj
+    assert pl.fuse_siblings(attn, wide_rows=4) == 3
+    seen = []
+    real = pl.packed_matmul
+    monkeypatch.setattr(pl, "packed_matmul", lambda x, w, b: seen.append(x.dtype) or real(x, w, b))
+    x = torch.randn(5, 32).to(torch.bfloat16)
+    with torch.inference_mode():
+        out = attn.q_proj(x)
+    assert seen == [torch.float32] and out.dtype is torch.bfloat16
+    torch.testing.assert_close(out.float(), plain(x).float(), **TOL[torch.bfloat16])
