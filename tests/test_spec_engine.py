@@ -297,3 +297,77 @@ def test_target_forwards_run_on_target_threads_and_drafting_on_the_callers(targe
     assert seen == {"target": {2}, "draft": {1}, "catch_up": {2}}
     assert torch.get_num_threads() == 1
     assert ref == refs[PROMPTS[0]][:MAX_NEW] and len(out) == len(ref)
+
+
+def test_draft_kv_writes_in_place_commits_rewinds_and_grows():
+    """DraftKV: extend writes after the last written entry (a view of everything written comes back),
+    rewind drops the uncommitted ones, a full buffer doubles keeping what was written; bf16 entries
+    are held exactly in an fp32 buffer."""
+    from eagle3_platform.spec.drafter import DraftKV
+
+    g = torch.Generator().manual_seed(0)
+    k1, k2, k3 = (torch.randn(1, 2, t, 4, generator=g).to(torch.bfloat16) for t in (2, 3, 1))
+    kv = DraftKV.empty(1, 2, 4, cap=3, dtype=torch.float32)
+    keys, values = kv.extend(k1, -k1)
+    assert keys.shape == (1, 2, 2, 4) and kv.n == 0 and torch.equal(keys, k1.float())
+    kv.commit()
+    keys, values = kv.extend(k2, -k2)  # past the capacity: the buffer grows
+    assert kv.keys.shape[2] >= 5 and torch.equal(keys, torch.cat([k1, k2], 2).float())
+    assert torch.equal(values, -keys)
+    kv.rewind()
+    assert kv.n == kv.end == 2 and torch.equal(kv.k, k1.float()) and torch.equal(kv.v, -k1.float())
+    keys, _ = kv.extend(k3, -k3)  # overwrites the rewound slot
+    assert torch.equal(keys, torch.cat([k1, k3], 2).float()) and kv.n == 2
+
+
+def test_drafting_leaves_committed_entries_and_grown_caches_equal_one_append(target, random_draft):
+    """Chains and trees write their speculative entries after the committed ones and drop them; a
+    drafter's cache grown over many commits (past its first buffer) equals one append of everything."""
+    from eagle3_platform.spec.drafter import EagleDrafter
+
+    g = torch.Generator().manual_seed(4)
+    width, vocab = random_draft.fc.in_features, target.model.config.vocab_size
+    steps = [(torch.randn(1, m, width, generator=g), torch.randint(0, vocab, (m,), generator=g))
+             for m in [5] + [3, 1, 2] * 100]  # 5 + 600 entries: past the first buffer's 5 + 256
+    for preset in ("chain", "tree"):
+        grown = EagleDrafter(random_draft, PRESETS[preset])
+        grown.prefill(*steps[0])
+        for aux, toks in steps[1:]:
+            first = grown.propose(7)
+            n, k, h = grown.n, grown.k.clone(), grown.h_last
+            again = grown.propose(7)  # drafting again: same committed entries, same draft
+            assert grown.n == n and torch.equal(grown.k, k) and grown.h_last is h
+            assert again.tokens.tolist() == first.tokens.tolist()
+            assert again.parents.tolist() == first.parents.tolist()
+            grown.commit(aux, toks)
+        grown.propose(7)
+        assert grown.kv.keys.shape[2] > 5 + 256  # it grew
+        ref = EagleDrafter(random_draft, PRESETS[preset])
+        ref.prefill(torch.cat([a for a, _ in steps], 1), torch.cat([t for _, t in steps]))
+        ref.propose(7)
+        assert grown.n == ref.n == 605
+        torch.testing.assert_close(grown.k, ref.k, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(grown.v, ref.v, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(grown.h_last, ref.h_last, atol=1e-4, rtol=1e-4)
+
+
+def test_a_bf16_head_drafts_over_an_fp32_draft_kv(target, random_draft):
+    """The engine's drafters keep their KV in the batch cache's dtype: fp32 under a bf16 head (where
+    bf16 matmuls are slow) holds the same keys exactly, and drafts what the bf16 KV drafts (random
+    head: the logits within bf16 rounding)."""
+    import copy
+
+    from eagle3_platform.spec.drafter import EagleDrafter
+
+    head = copy.deepcopy(random_draft).cast_parameters(torch.bfloat16)
+    g = torch.Generator().manual_seed(5)
+    aux = torch.randn(1, 12, head.fc.in_features, generator=g)
+    toks = torch.randint(0, target.model.config.vocab_size, (12,), generator=g)
+    plain, wide = EagleDrafter(head, PRESETS["chain"]), EagleDrafter(head, PRESETS["chain"], torch.float32)
+    for d in (plain, wide):
+        d.prefill(aux, toks)
+        d.propose(3)
+    assert plain.k.dtype is torch.bfloat16 and wide.k.dtype is torch.float32
+    assert torch.equal(wide.k, plain.k.float()) and torch.equal(wide.v, plain.v.float())
+    a, b = (head.logits(d.h_last).float() for d in (plain, wide))
+    assert (a - b).abs().max() <= 0.05 * a.abs().max()

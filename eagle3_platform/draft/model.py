@@ -208,13 +208,16 @@ class Eagle3Draft(nn.Module):
 
     def backbone(self, emb, hidden, position_ids, attn_mask=None, past_kv=None):
         """emb, hidden [B,T,H]; position_ids [B,T]; attn_mask additive [B,1,T,P+T] or None (causal over
-        past + new); past_kv (k, v) each [B,nkv,P,hd] post-RoPE or None.
+        past + new); past_kv (k, v) each [B,nkv,P,hd] post-RoPE, or a buffer whose extend(k, v) writes
+        the new entries after its P and returns keys/values [B,nkv,P+T,hd], or None.
         Returns (h [B,T,H] pre-norm, (k_new, v_new) each [B,nkv,T,hd] post-RoPE)."""
         emb = emb.to(hidden.dtype)
         cos, sin = self.rope(hidden, position_ids)
         q, k, v = self.midlayer.qkv(emb, hidden, cos, sin)
         k_all, v_all = k, v
-        if past_kv is not None:
+        if hasattr(past_kv, "extend"):  # a buffer with room (spec/drafter.DraftKV): written in place
+            k_all, v_all = past_kv.extend(k, v)   # [B,nkv,P+T,hd], maybe in another dtype
+        elif past_kv is not None:
             k_all = torch.cat([past_kv[0], k], dim=2)   # [B,nkv,P+T,hd]
             v_all = torch.cat([past_kv[1], v], dim=2)
         T = q.shape[2]
@@ -225,6 +228,7 @@ class Eagle3Draft(nn.Module):
         else:  # a prompt's entries
             n_rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
             mask = None if attn_mask is None else attn_mask.to(q.dtype)
+            k_all, v_all = k_all.to(q.dtype), v_all.to(q.dtype)  # exact: they were q's dtype before
             attn = F.scaled_dot_product_attention(q, repeat_kv(k_all, n_rep), repeat_kv(v_all, n_rep),
                                                   attn_mask=mask)
         return self.midlayer.finish(hidden, attn), (k, v)

@@ -38,23 +38,79 @@ class Drafter(Protocol):
     # aux [1,m+1,3H] features of the root + accepted nodes; next_tokens [m+1] = accepted + bonus
 
 
+class DraftKV:
+    """Draft keys/values of B rows in buffers [B,n_kv,cap,hd] with room to grow: entries 0..n-1 are
+    committed; `extend` writes new ones in place after the last written (the buffer doubles when
+    full) instead of concatenating the whole cache per draft forward, `commit` keeps what was written,
+    `rewind` drops it (a draft's speculative entries). Held in `dtype`: the engine's cache dtype, fp32
+    where bf16 matmuls are slow (the head's attention then runs in fp32 over exact bf16 values)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, n: int):
+        self.keys, self.values = keys, values  # [B,n_kv,cap,hd]; slots past `end` are zeros or stale
+        self.n = self.end = n
+
+    @classmethod
+    def empty(cls, rows: int, heads: int, head_dim: int, cap: int, dtype: torch.dtype) -> "DraftKV":
+        keys = torch.zeros(rows, heads, cap, head_dim, dtype=dtype)  # zeros: padding is never NaN
+        return cls(keys, torch.zeros_like(keys), 0)
+
+    @property
+    def k(self) -> torch.Tensor:  # [B,n_kv,n,hd], committed
+        return self.keys[:, :, :self.n]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.values[:, :, :self.n]
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [B,n_kv,T,hd] at end..end+T-1 -> everything written, views [B,n_kv,end+T,hd]."""
+        end = self.end + k.shape[2]
+        if end > self.keys.shape[2]:
+            self._grow(end)
+        self.keys[:, :, self.end:end], self.values[:, :, self.end:end] = k, v
+        self.end = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def commit(self) -> None:
+        self.n = self.end
+
+    def rewind(self) -> None:
+        self.end = self.n
+
+    def _grow(self, need: int) -> None:
+        B, heads, cap, hd = self.keys.shape
+        grown = DraftKV.empty(B, heads, hd, max(need, 2 * cap), self.keys.dtype)
+        grown.keys[:, :, :self.end], grown.values[:, :, :self.end] = (t[:, :, :self.end] for t in
+                                                                       (self.keys, self.values))
+        self.keys, self.values = grown.keys, grown.values
+
+
 class EagleDrafter:
     """Entries are appended lazily: `commit` only queues (aux, next tokens), and the queue runs as one
     draft forward when the next draft is asked for. A server step that verifies no draft (draft size
-    0) then costs the drafter nothing, and entries queued over several steps run together."""
+    0) then costs the drafter nothing, and entries queued over several steps run together.
+    kv_dtype: the dtype of the draft KV (DraftKV; None = the head's)."""
 
-    def __init__(self, draft, cfg: SpecConfig):
-        self.draft, self.cfg = draft, cfg
-        self.k = self.v = None  # committed draft KV, each [1,n_kv,n,hd]
+    def __init__(self, draft, cfg: SpecConfig, kv_dtype: torch.dtype | None = None):
+        self.draft, self.cfg, self.kv_dtype = draft, cfg, kv_dtype
+        self.kv: DraftKV | None = None  # committed draft KV, n entries
         self.h_last = None  # [1,1,H]
         self._queued: list[tuple[torch.Tensor, torch.Tensor]] = []  # (aux [1,T,3H], next tokens [T])
 
     @property
     def n(self) -> int:
-        return 0 if self.k is None else self.k.shape[2]
+        return 0 if self.kv is None else self.kv.n
+
+    @property
+    def k(self) -> torch.Tensor | None:  # [1,n_kv,n,hd]
+        return None if self.kv is None else self.kv.k
+
+    @property
+    def v(self) -> torch.Tensor | None:
+        return None if self.kv is None else self.kv.v
 
     def prefill(self, aux, next_tokens):
-        self.k = self.v = None
+        self.kv = None
         self._queued = [(aux, next_tokens)]
 
     def commit(self, aux, next_tokens):
@@ -64,7 +120,7 @@ class EagleDrafter:
         """Append the backlog, leaving only the last verify step's entries queued: the prompt, or the
         steps verified without a draft. Prefill-like work a server times apart from the step, so a
         draft size is charged only what drafting at every step costs (spec/policy.py)."""
-        keep = 0 if self.k is None and len(self._queued) == 1 else 1  # a lone prompt: all backlog
+        keep = 0 if self.kv is None and len(self._queued) == 1 else 1  # a lone prompt: all backlog
         backlog = len(self._queued) - keep
         if backlog > 0:
             self._queued, last = self._queued[:backlog], self._queued[backlog:]
@@ -81,10 +137,13 @@ class EagleDrafter:
         self._queued = []
         d, n, t = self.draft, self.n, aux.shape[1]
         pos = torch.arange(n, n + t)[None]  # [1,T]
-        past = None if self.k is None else (self.k, self.v)
-        h, (k, v) = d.backbone(d.embed(next_tokens[None]), d.project(aux), pos, None, past)
-        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
-        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        if self.kv is None:  # room for the prompt and the next few hundred entries
+            c = d.cfg
+            self.kv = DraftKV.empty(1, c.num_key_value_heads, c.head_dim, t + 256,
+                                    self.kv_dtype or d.embed_tokens.weight.dtype)
+        self.kv.rewind()
+        h, _ = d.backbone(d.embed(next_tokens[None]), d.project(aux), pos, None, self.kv)  # writes n..n+T-1
+        self.kv.commit()
         self.h_last = h[:, -1:]  # [1,1,H]
 
     @torch.no_grad()
@@ -102,18 +161,19 @@ class EagleDrafter:
         top = logp.topk(k)
         frontier = pool.add(parents=[-1] * k, draft_ids=top.indices, scores=top.values)
         hidden = self.h_last.expand(1, k, -1)  # [1,k,H]: every depth-1 node's parent is the root
-        tree_k = tree_v = None
-        for step in range(1, min(self.cfg.num_steps, budget)):  # depth > budget cannot be kept
-            h, (nk, nv) = self._run_frontier(pool, frontier, hidden, tree_k, tree_v, step)
-            tree_k = nk if tree_k is None else torch.cat([tree_k, nk], dim=2)
-            tree_v = nv if tree_v is None else torch.cat([tree_v, nv], dim=2)
-            pool.entry_of.update({node: pool.n_entries + i for i, node in enumerate(frontier)})
-            pool.n_entries += len(frontier)
-            frontier, hidden = self._expand(pool, frontier, h, k)
+        try:
+            for step in range(1, min(self.cfg.num_steps, budget)):  # depth > budget cannot be kept
+                h, _ = self._run_frontier(pool, frontier, hidden, step)  # tree entries after the prefix
+                pool.entry_of.update({node: pool.n_entries + i for i, node in enumerate(frontier)})
+                pool.n_entries += len(frontier)
+                frontier, hidden = self._expand(pool, frontier, h, k)
+        finally:
+            self.kv.rewind()  # the tree's entries are speculative
         return pool.to_tree(root, budget, self.draft, self.cfg.min_draft_prob)
 
-    def _run_frontier(self, pool, frontier, hidden, tree_k, tree_v, step):
-        """One draft forward over the frontier (depth `step` nodes) as new entries."""
+    def _run_frontier(self, pool, frontier, hidden, step):
+        """One draft forward over the frontier (depth `step` nodes), written as new entries after the
+        committed prefix and the tree's earlier entries."""
         d, n = self.draft, self.n
         ids = d.to_target_ids(pool.draft_ids[frontier])[None]  # [1,F] target ids
         pos = torch.full((1, len(frontier)), n - 1 + step)  # depth-s node entry sits at n-1+s
@@ -123,10 +183,8 @@ class EagleDrafter:
             for a in pool.ancestors(node):  # earlier tree entries on this node's path
                 allowed[row, n + pool.entry_of[a]] = True
             allowed[row, n + pool.n_entries + row] = True  # itself
-        past_k = self.k if tree_k is None else torch.cat([self.k, tree_k], dim=2)
-        past_v = self.v if tree_v is None else torch.cat([self.v, tree_v], dim=2)
         mask = additive_mask(allowed, hidden.dtype)[None, None]  # [1,1,F,n+E+F]
-        return d.backbone(d.embed(ids), hidden, pos, mask, (past_k, past_v))
+        return d.backbone(d.embed(ids), hidden, pos, mask, self.kv)
 
     def _expand(self, pool, frontier, h, k):
         """Top-k children per frontier node; the best k (cumulative) become the next frontier."""
@@ -171,8 +229,23 @@ def propose_chains(drafters: list[EagleDrafter], roots: list[int], budget: int) 
     d, cfg, B = drafters[0].draft, drafters[0].cfg, len(drafters)
     steps = min(cfg.num_steps, budget)
     n = torch.tensor([x.n for x in drafters])  # [B]
-    past_k, past_v, allowed = _padded_past(drafters)  # [B,kv,P,hd] x2, bool [B,P] | None
-    h = torch.cat([x.h_last for x in drafters])  # [B,1,H]
+    past, allowed = _padded_past(drafters, room=steps)  # DraftKV over [B,kv,P,hd], bool [B,P] | None
+    try:
+        picks = _draft_chains(d, cfg, past, allowed, n, torch.cat([x.h_last for x in drafters]), steps)
+    finally:
+        past.rewind()  # the chains' entries are speculative (one row: its own cache)
+    trees = []
+    for b, root in enumerate(roots):
+        kept = [p[b] for p, ok in picks if ok[b]]  # alive only shrinks: a prefix of the chain
+        tokens = d.to_target_ids(torch.stack(kept)) if kept else torch.empty(0, dtype=torch.long)
+        trees.append(Tree(torch.cat([torch.tensor([root]), tokens.long()]), torch.arange(-1, len(kept))))
+    return trees
+
+
+def _draft_chains(d, cfg, past: "DraftKV", allowed, n, h, steps: int) -> list:
+    """Depth by depth over B rows -> [(draft ids [B], alive [B])] per depth; h [B,1,H] the rows'
+    h_last. Each depth's entries are written into `past` after the rows' prefixes."""
+    B = h.shape[0]
     picks, alive, path_logp = [], torch.ones(B, dtype=torch.bool), torch.zeros(B)
     for step in range(1, steps + 1):
         logits = d.logits(h)[:, -1].float()  # [B,Vd]
@@ -188,14 +261,8 @@ def propose_chains(drafters: list[EagleDrafter], roots: list[int], budget: int) 
             allowed = torch.cat([allowed, torch.ones(B, 1, dtype=torch.bool)], 1)  # [B,P+s]
             mask = additive_mask(allowed[:, None, None, :], h.dtype)  # [B,1,1,P+s]
         ids = d.to_target_ids(pick)[:, None]  # [B,1]
-        h, (k, v) = d.backbone(d.embed(ids), h, (n - 1 + step)[:, None], mask, (past_k, past_v))
-        past_k, past_v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
-    trees = []
-    for b, root in enumerate(roots):
-        kept = [p[b] for p, ok in picks if ok[b]]  # alive only shrinks: a prefix of the chain
-        tokens = d.to_target_ids(torch.stack(kept)) if kept else torch.empty(0, dtype=torch.long)
-        trees.append(Tree(torch.cat([torch.tensor([root]), tokens.long()]), torch.arange(-1, len(kept))))
-    return trees
+        h, _ = d.backbone(d.embed(ids), h, (n - 1 + step)[:, None], mask, past)
+    return picks
 
 
 MAX_BATCHED_APPEND = 16  # queued entries per row appended in one batched forward; longer ones alone
@@ -204,7 +271,7 @@ MAX_BATCHED_APPEND = 16  # queued entries per row appended in one batched forwar
 def _append_queued_many(drafters: list[EagleDrafter]) -> None:
     """Each drafter's queued entries, the short queues of all rows as one padded draft forward (a
     step's root + accepted nodes); a prompt (or a long backlog) runs alone, not padded to."""
-    short = [x for x in drafters if x._queued and x.k is not None
+    short = [x for x in drafters if x._queued and x.kv is not None
              and sum(t.numel() for _, t in x._queued) <= MAX_BATCHED_APPEND]
     for x in drafters:
         if x._queued and x not in short:
@@ -218,7 +285,8 @@ def _append_queued_many(drafters: list[EagleDrafter]) -> None:
     toks = [torch.cat([t for _, t in x._queued]) for x in short]  # [T_b]
     T = torch.tensor([len(t) for t in toks])
     n = torch.tensor([x.n for x in short])
-    past_k, past_v, prefix = _padded_past(short)  # prefix bool [B,P]
+    T_max = max(sum(t.numel() for _, t in x._queued) for x in short)
+    past, prefix = _padded_past(short, room=T_max)  # prefix bool [B,P]
     aux = torch.nn.utils.rnn.pad_sequence(aux, batch_first=True)  # [B,Tm,3H]
     toks = torch.nn.utils.rnn.pad_sequence(toks, batch_first=True)  # [B,Tm]
     Tm = toks.shape[1]
@@ -227,25 +295,27 @@ def _append_queued_many(drafters: list[EagleDrafter]) -> None:
     allowed = torch.cat([prefix[:, None, :].expand(B, Tm, -1), causal], dim=2)  # [B,Tm,P+Tm]
     pos = n[:, None] + j[None, :]  # [B,Tm]; a padding entry's position is never read
     h, (k, v) = d.backbone(d.embed(toks), d.project(aux), pos, additive_mask(allowed[:, None], aux.dtype),
-                           (past_k, past_v))
+                           past)
     for b, x in enumerate(short):
         t = int(T[b])
-        x.k, x.v = torch.cat([x.k, k[b:b + 1, :, :t]], dim=2), torch.cat([x.v, v[b:b + 1, :, :t]], dim=2)
+        x.kv.extend(k[b:b + 1, :, :t], v[b:b + 1, :, :t])
+        x.kv.commit()
         x.h_last, x._queued = h[b:b + 1, t - 1:t], []
 
 
-def _padded_past(drafters: list[EagleDrafter]):
-    """Committed draft KV of B rows -> keys, values [B,kv,P,hd] (P = the longest; zeros after a row's
-    own entries, never NaN) and which slots are real, bool [B,P]; one row: its own tensors, None."""
+def _padded_past(drafters: list[EagleDrafter], room: int) -> tuple[DraftKV, torch.Tensor | None]:
+    """Committed draft KV of B rows -> one DraftKV over [B,kv,P,hd] (P = the longest; zeros after a
+    row's own entries, never NaN) with room for `room` more entries, and which slots are real, bool
+    [B,P]; one row: its own DraftKV (the caller rewinds it), None."""
     if len(drafters) == 1:
-        return drafters[0].k, drafters[0].v, None
+        return drafters[0].kv, None
     n = torch.tensor([x.n for x in drafters])
-    P, (_, kv, _, hd) = int(n.max()), drafters[0].k.shape
-    keys = drafters[0].k.new_zeros(len(drafters), kv, P, hd)
-    values = torch.zeros_like(keys)
+    P, (_, kv, _, hd) = int(n.max()), drafters[0].kv.keys.shape
+    past = DraftKV.empty(len(drafters), kv, hd, P + room, drafters[0].kv.keys.dtype)
     for b, x in enumerate(drafters):
-        keys[b, :, :x.n], values[b, :, :x.n] = x.k[0], x.v[0]
-    return keys, values, torch.arange(P)[None, :] < n[:, None]
+        past.keys[b, :, :x.n], past.values[b, :, :x.n] = x.kv.k[0], x.kv.v[0]
+    past.n = past.end = P
+    return past, torch.arange(P)[None, :] < n[:, None]
 
 
 def _log_probs(draft, h):

@@ -87,7 +87,7 @@ class SpecEngine:
             return None
         if hasattr(self.draft, "propose"):
             return self.draft
-        head = EagleDrafter(self.draft, self.cfg)
+        head = EagleDrafter(self.draft, self.cfg, self.cache_dtype)  # draft KV like the batch cache
         if self.cfg.lookup_tokens:
             return LookupDrafter(head, self.cfg.lookup_tokens, self.cfg.lookup_ngram)
         return head
