@@ -335,9 +335,10 @@ def test_non_positive_counts_are_refused(argv, flag, capsys):
     assert f"{flag} must be >= 1" in line
 
 
-def test_negative_target_threads_are_refused(capsys):
-    line = cli_error(capsys, "serve", "--target", "t", "--target-threads", "-1")
-    assert "--target-threads must be >= 0 (0 = every core)" in line
+@pytest.mark.parametrize("flag", ["--target-threads", "--draft-threads"])
+def test_negative_target_and_draft_threads_are_refused(flag, capsys):
+    line = cli_error(capsys, "serve", "--target", "t", flag, "-1")
+    assert f"{flag} must be >= 0 (0 = every core)" in line
 
 
 def test_same_feature_dir_twice_is_refused(tiny_target_dir, feats, tmp_path, capsys):

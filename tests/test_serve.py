@@ -492,12 +492,17 @@ def test_build_engine_runs_the_target_on_target_threads(tiny_target_dir):
     from eagle3_platform.serve.config import PRESETS
     from eagle3_platform.serve.server import build_engine
 
-    engine, _, meta = build_engine(tiny_target_dir, None, "chain", target_threads=0)
-    assert engine.target_threads == 0 and meta["threads"]["target"] == resolve_threads(0)
+    engine, _, meta = build_engine(tiny_target_dir, None, "chain", target_threads=0, draft_threads=0)
+    assert engine.target_threads == engine.draft_threads == 0
+    assert meta["threads"]["target"] == meta["threads"]["head"] == resolve_threads(0)
     engine, _, meta = build_engine(tiny_target_dir, None, "chain")
-    assert engine.target_threads is None and meta["threads"]["target"] == meta["threads"]["head"]
-    # the loaded server of a sweep takes the cores; tests (tiny) stay on one thread
-    assert PRESETS["demo"].target_threads == PRESETS["cpu"].target_threads == 0
+    assert engine.target_threads is None and engine.draft_threads is None
+    assert meta["threads"]["target"] == meta["threads"]["head"] == meta["threads"]["rest"]
+    # the loaded server of a sweep takes the cores for the target and the head, the rest keeps one
+    # thread (more contend); tests (tiny) stay on one thread
+    for preset in ("demo", "cpu"):
+        assert PRESETS[preset].target_threads == PRESETS[preset].draft_threads == 0
+        assert PRESETS[preset].torch_threads == 1
     assert PRESETS["tiny"].target_threads is None and PRESETS["tiny"].torch_threads == 1
 
 

@@ -371,3 +371,26 @@ def test_a_bf16_head_drafts_over_an_fp32_draft_kv(target, random_draft):
     assert torch.equal(wide.k, plain.k.float()) and torch.equal(wide.v, plain.v.float())
     a, b = (head.logits(d.h_last).float() for d in (plain, wide))
     assert (a - b).abs().max() <= 0.05 * a.abs().max()
+
+
+def test_drafting_runs_on_draft_threads_and_the_rest_on_the_callers(target, random_draft, monkeypatch):
+    """draft_threads switches the count around the head's drafting only: the caller's count holds
+    for the rest of the step and after it."""
+    import eagle3_platform.spec.batch as batch_module
+
+    seen = []
+    real = batch_module.propose_all
+    monkeypatch.setattr(batch_module, "propose_all",
+                        lambda *a: seen.append(torch.get_num_threads()) or real(*a))
+    engine = SpecEngine(target, random_draft, PRESETS["chain"], draft_threads=2)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        batch = engine.batch()
+        r = batch.open(_ids(target, PROMPTS[0]), 8)
+        batch.prefill(r, None)
+        batch.step()
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(prev)
+    assert seen == [2]

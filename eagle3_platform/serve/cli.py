@@ -33,9 +33,11 @@ def add_commands(sub) -> None:
                    help="always verify the spec preset's full draft (no per-step draft size choice)")
     p.add_argument("--model-name", default=None, help="id shown by /v1/models")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads of the head and the rest (default: the preset's)")
+                   help="torch CPU threads of the rest: sampling, bookkeeping (default: the preset's)")
     p.add_argument("--target-threads", type=int, default=None,
                    help="torch CPU threads of the target's forwards; 0 = every core (default: the preset's)")
+    p.add_argument("--draft-threads", type=int, default=None,
+                   help="torch CPU threads of the head's drafting; 0 = every core (default: the preset's)")
     p.add_argument("--dtype", default=None, help="auto | bfloat16 | float32 (default: the preset's)")
     p.add_argument("--ready-file", default=None, help="write {url, port, pid} here once bound")
     p.set_defaults(func=serve)
@@ -49,8 +51,9 @@ def serve(a) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     require_positive(max_tokens=a.max_tokens, max_queue=a.max_queue, max_batch=a.max_batch,
                      prefill_chunk=a.prefill_chunk, threads=a.threads)
-    if a.target_threads is not None and a.target_threads < 0:
-        raise ValueError(f"--target-threads must be >= 0 (0 = every core), not {a.target_threads}")
+    for flag, n in (("--target-threads", a.target_threads), ("--draft-threads", a.draft_threads)):
+        if n is not None and n < 0:
+            raise ValueError(f"{flag} must be >= 0 (0 = every core), not {n}")
     api_key = a.api_key or os.environ.get(API_KEY_ENV)
     check_api_key(api_key)  # before the model loads: a key no client can send is a startup error
     cfg = PRESETS[a.preset].with_(host=a.host, port=a.port, max_tokens=a.max_tokens,
@@ -59,13 +62,14 @@ def serve(a) -> dict:
                                   adaptive_draft=False if a.fixed_draft else None,
                                   model_name=a.model_name,
                                   torch_threads=a.threads, target_threads=a.target_threads,
+                                  draft_threads=a.draft_threads,
                                   dtype=a.dtype)
     if cfg.torch_threads:
         import torch
         torch.set_num_threads(cfg.torch_threads)
     sock = bind_socket(cfg.host, cfg.port)  # before the model loads: a busy port fails at once
     engine, target, info = build_engine(a.target, a.draft, a.spec, cfg.dtype, a.head_weights,
-                                        cfg.target_threads)
+                                        cfg.target_threads, cfg.draft_threads)
     context = int(getattr(target.model.config, "max_position_embeddings", 2048))
     name = info["target_id"] + ("-eagle3" if info["draft"] else "")
     app = build_app(engine, target.tokenizer, cfg, model_name=name, context_length=context,

@@ -21,16 +21,18 @@ class ServeConfig:
     retry_after_s: int = 1            # Retry-After header on 503
     disconnect_poll_s: float = 0.5    # how often a waiting request checks that its client is there
     model_name: str | None = None     # /v1/models id; defaults to the target id
-    # torch intra-op threads of everything but the target's forwards (the head's drafting, sampling).
-    # None = torch's default (every physical core). The demo/cpu servers drafted on one thread while
-    # a chain of small ops ran slower split in two; on the Intel box of session 23 two threads draft a
-    # batch-1 chain 1.3x faster (propose 8.3 -> 6.5 ms; EAGLE-3 + lookup 1.21x -> 1.25x of HF greedy in
-    # bench_decode.py, README "Session 23").
+    # torch intra-op threads of the server's threads outside the engine's forwards and drafting
+    # (sampling, bookkeeping). None = torch's default (every core): on 2 cores a baseline server
+    # left so decoded 1.25x slower than on 1 (its threads contend; README "Session 23").
     torch_threads: int | None = None
     # threads of the target's forwards (prefill, verify); 0 = every core, None = torch_threads. The
     # Locust sweep runs one endpoint at a time, so the loaded server may take both cores of a 2-core
     # box: baseline throughput at concurrency 8 went 40.7 -> 54-62 tok/s (README, "Serving threads").
     target_threads: int | None = None
+    # threads of the head's drafting; 0 = every core, None = torch_threads. One drafted faster on the
+    # boxes of sessions 16-22; on the Intel box of session 23 two draft a batch-1 chain 1.3x faster
+    # (8.3 -> 6.5 ms; EAGLE-3 + lookup 1.21x -> 1.25x of HF greedy in bench_decode.py).
+    draft_threads: int | None = None
     dtype: str = "auto"               # compute dtype of target + head (compute.resolve_dtype)
 
     def with_(self, **kw) -> "ServeConfig":
@@ -40,8 +42,10 @@ class ServeConfig:
 PRESETS: dict[str, ServeConfig] = {
     "tiny": ServeConfig(max_tokens=64, default_max_tokens=16, max_queue=32, torch_threads=1,
                         dtype="float32"),  # tests assert exact greedy losslessness (fp32)
-    "demo": ServeConfig(max_tokens=256, default_max_tokens=64, max_queue=64, target_threads=0),
-    "cpu": ServeConfig(max_tokens=256, default_max_tokens=64, max_queue=64, target_threads=0),
+    "demo": ServeConfig(max_tokens=256, default_max_tokens=64, max_queue=64, torch_threads=1,
+                        target_threads=0, draft_threads=0),
+    "cpu": ServeConfig(max_tokens=256, default_max_tokens=64, max_queue=64, torch_threads=1,
+                       target_threads=0, draft_threads=0),
     "full": ServeConfig(max_tokens=4096, default_max_tokens=256, max_queue=256,
                         shutdown_grace_s=30.0),
 }

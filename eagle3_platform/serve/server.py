@@ -384,9 +384,10 @@ def build_app(engine, tokenizer, cfg: ServeConfig | None = None, *, model_name: 
 
 
 def build_engine(target_dir: str | Path, draft_dir: str | Path | None = None, spec: str = "chain",
-                 dtype: str = "auto", head_weights: str | None = None, target_threads: int | None = None):
+                 dtype: str = "auto", head_weights: str | None = None, target_threads: int | None = None,
+                 draft_threads: int | None = None):
     """The real engine from a prepared target (+ optional exported draft); head_weights overrides the
-    spec preset's (int8 | native); target_threads: see SpecEngine. Imports torch lazily."""
+    spec preset's (int8 | native); target_threads, draft_threads: see SpecEngine. Imports torch lazily."""
     from dataclasses import replace
 
     import torch
@@ -404,12 +405,14 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path | None = None, sp
     cfg = get_preset(spec if draft is not None else "baseline")
     if head_weights is not None:
         cfg = replace(cfg, head_weights=head_weights)
-    engine = SpecEngine(target, draft, cfg, target_threads)
+    engine = SpecEngine(target, draft, cfg, target_threads, draft_threads)
     info = {"target_id": target.meta.get("target_id"), "draft": draft is not None, "dtype": target.meta["dtype"],
             "kv_cache_dtype": str(engine.cache_dtype).removeprefix("torch."),
             "wide_fp32_rows": target.meta.get("wide_fp32_rows", 0),
             "spec": spec if draft is not None else "baseline", "spec_config": cfg.to_dict(),
-            "threads": {"head": torch.get_num_threads(),  # and the rest: sampling, bookkeeping
+            "threads": {"rest": torch.get_num_threads(),  # sampling, bookkeeping
+                        "head": torch.get_num_threads() if draft_threads is None
+                        else resolve_threads(draft_threads),
                         "target": torch.get_num_threads() if target_threads is None
                         else resolve_threads(target_threads)}}
     return engine, target, info

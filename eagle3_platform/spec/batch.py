@@ -174,8 +174,9 @@ class Batch:
             for catch_up in catch_ups:
                 catch_up()
         self.catch_up_s = time.perf_counter() - t0 if catch_ups else 0.0
-        proposed = propose_all([rows[b].drafter for b in drafting], [rows[b].pending for b in drafting],
-                               max_draft_tokens)
+        with threads(self.engine.draft_threads if drafting else None):
+            proposed = propose_all([rows[b].drafter for b in drafting], [rows[b].pending for b in drafting],
+                                   max_draft_tokens)
         for b, tree in zip(drafting, proposed):
             trees[b] = tree
         return trees

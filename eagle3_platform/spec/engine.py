@@ -8,9 +8,13 @@ With a stateful Drafter object (tests) the engine serves one request at a time; 
 each request builds its own drafter state. `last_stats` belongs to the most recently finished stream.
 
 Threads: `target_threads` runs the target's forwards (prefill chunks, verify steps) and the head's
-catch-up over a prompt on more cores than the rest. On 2 cores (SmolLM2, bf16, batch 1) a target
-forward is 1.3x faster on 2 threads, a prefill 1.85x, but the head's drafting, a chain of small ops,
-is slower split in two; so the prefill-like work gets every core and drafting keeps the caller's count.
+catch-up over a prompt on more cores than the rest, `draft_threads` the head's drafting. On 2 cores
+(SmolLM2, bf16, batch 1) a target forward is 1.3x faster on 2 threads, a prefill 1.85x; drafting, a
+chain of small ops, was slower split in two on the boxes of sessions 16-22 and is 1.2-1.3x faster on
+two on the Intel box of session 23 (serve/config.py). Both switch the count only around their own
+work, in the engine's thread: the rest (sampling, bookkeeping, a server's other threads) keeps the
+caller's count, since more threads there contend for the cores (a baseline server whose every thread
+took both cores decoded 1.25x slower).
 """
 from __future__ import annotations
 
@@ -32,10 +36,11 @@ from eagle3_platform.spec.lookup import LookupDrafter
 
 class SpecEngine:
     def __init__(self, target, draft=None, cfg: SpecConfig = PRESETS["chain"],
-                 target_threads: int | None = None):
-        """target_threads: torch threads of the target's forwards (0 = every core; None = the caller's)."""
+                 target_threads: int | None = None, draft_threads: int | None = None):
+        """target_threads, draft_threads: torch threads of the target's forwards and of the head's
+        drafting (0 = every core; None = the caller's)."""
         self.target, self.model, self.cfg = target, target.model, cfg
-        self.target_threads = target_threads
+        self.target_threads, self.draft_threads = target_threads, draft_threads
         self.dtype = next(self.model.parameters()).dtype
         cache_dtype = target.meta.get("kv_cache_dtype")  # the batch cache's (load_target decides)
         self.cache_dtype = getattr(torch, cache_dtype) if cache_dtype else self.dtype
