@@ -285,11 +285,10 @@ def _append_queued_many(drafters: list[EagleDrafter]) -> None:
     toks = [torch.cat([t for _, t in x._queued]) for x in short]  # [T_b]
     T = torch.tensor([len(t) for t in toks])
     n = torch.tensor([x.n for x in short])
-    T_max = max(sum(t.numel() for _, t in x._queued) for x in short)
-    past, prefix = _padded_past(short, room=T_max)  # prefix bool [B,P]
     aux = torch.nn.utils.rnn.pad_sequence(aux, batch_first=True)  # [B,Tm,3H]
     toks = torch.nn.utils.rnn.pad_sequence(toks, batch_first=True)  # [B,Tm]
     Tm = toks.shape[1]
+    past, prefix = _padded_past(short, room=Tm)  # prefix bool [B,P]
     j = torch.arange(Tm)
     causal = (j[None, :] <= j[:, None]) & ((j[None, None, :] < T[:, None, None]) | (j[None, :] == j[:, None]))
     allowed = torch.cat([prefix[:, None, :].expand(B, Tm, -1), causal], dim=2)  # [B,Tm,P+Tm]
