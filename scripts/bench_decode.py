@@ -12,6 +12,7 @@ Methods, interleaved per prompt within every repeat so machine-load drift hits a
   eagle3_tree       SpecEngine + EAGLE-3 head, `tree` preset       (needs --draft)
   eagle3_X_lookupN  the same + a prompt-lookup branch of up to N tokens (--lookup-tokens N ...)
   eagle3_X_native   the same with the head's weights in bf16, not int8 (--head-weights int8 native)
+  eagle3_X_dtN      the same with the head drafting on N threads (--draft-threads 1 N)
   oracle_chain      SpecEngine + a drafter that always proposes the engine's own greedy continuation
                     (chain, depth 4, zero draft cost): the ceiling of the verify machinery (τ = 5)
 Reported per method: median over repeats of (Σ tokens / Σ seconds over the prompts), the median of
@@ -123,16 +124,18 @@ def build_methods(target, draft, args, refs: dict, bf16_target=None, stock_targe
         methods["hf_greedy_stock"] = hf_method(stock_target, base.eos_ids, tt)
     methods["engine_baseline"] = engine_method(base)
     if draft is not None:
-        for name, weights in itertools.product(args.spec, args.head_weights):
+        for name, weights, dt in itertools.product(args.spec, args.head_weights, args.draft_threads):
             cfg = replace(get_preset(name), head_weights=weights)
             if args.min_draft_prob is not None:
                 cfg = replace(cfg, min_draft_prob=args.min_draft_prob)
-            # the first --head-weights value is unnamed; the others are named (eagle3_chain_native)
-            suffix = "" if weights == args.head_weights[0] else f"_{weights}"
-            methods[f"eagle3_{name}{suffix}"] = engine_method(SpecEngine(target, draft, cfg, tt))
+            # the first value of --head-weights and of --draft-threads is unnamed; the others are
+            # named (eagle3_chain_native, eagle3_chain_dt2)
+            suffix = ("" if weights == args.head_weights[0] else f"_{weights}") + (
+                "" if dt == args.draft_threads[0] else f"_dt{dt}")
+            methods[f"eagle3_{name}{suffix}"] = engine_method(SpecEngine(target, draft, cfg, tt, dt))
             for n in args.lookup_tokens:  # the head's tree + a prompt-lookup branch (spec/lookup.py)
                 methods[f"eagle3_{name}_lookup{n}{suffix}"] = engine_method(
-                    SpecEngine(target, draft, replace(cfg, lookup_tokens=n), tt))
+                    SpecEngine(target, draft, replace(cfg, lookup_tokens=n), tt, dt))
     if args.oracle:
         methods["oracle_chain"] = oracle_method(target, refs, tt)
     return methods
@@ -266,6 +269,10 @@ def main(argv=None) -> int:
     ap.add_argument("--target-threads", type=int, default=None,
                     help="torch threads of every target forward, HF generate's included; 0 = every core "
                          "(as the demo/cpu servers run); default: --threads")
+    ap.add_argument("--draft-threads", type=int, nargs="+", default=[None],
+                    help="torch threads of the head's drafting (SpecEngine draft_threads; 0 = every core, "
+                         "as the demo/cpu servers draft); several: one eagle3 row each (A/B). "
+                         "Default: --threads")
     ap.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32: every method runs in it")
     ap.add_argument("--spec", nargs="+", default=["chain", "tree"])
     ap.add_argument("--min-draft-prob", type=float, default=None,
