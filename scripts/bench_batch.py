@@ -103,6 +103,9 @@ def main(argv=None) -> int:
     ap.add_argument("--target-threads", type=int, default=None,
                     help="torch threads of the target's forwards and of hf_generate; 0 = every core "
                          "(the demo/cpu servers'); default: --threads")
+    ap.add_argument("--draft-threads", type=int, default=None,
+                    help="torch threads of the head's drafting; 0 = every core (the demo/cpu "
+                         "servers'); default: --threads")
     ap.add_argument("--invariance", action="store_true")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -113,7 +116,8 @@ def main(argv=None) -> int:
         from eagle3_platform.draft.export import load_export
         draft = load_export(a.draft, target)
     base = SpecEngine(target, None, get_preset("baseline"), a.target_threads)
-    eagle = SpecEngine(target, draft, get_preset(a.spec), a.target_threads) if draft is not None else None
+    eagle = (SpecEngine(target, draft, get_preset(a.spec), a.target_threads, a.draft_threads)
+             if draft is not None else None)
     prompts = [render_prompt(target.tokenizer, first_turn(r)) for r in mtbench_prompts(a.prompts)]
     sizes = [int(s) for s in a.batch_sizes.split(",")]
     fixed = [int(k) for k in a.fixed.split(",") if k]

@@ -179,12 +179,15 @@ def plain_choices(target, prompt: list[int], tokens: list[int]) -> list[int]:
 def token_agreement(target, rows: list[dict], prompts: list[list[int]], names: list[str]) -> dict:
     """Per method: the fraction of emitted tokens that plain greedy decoding in the same dtype emits
     given the same prefix (1.0 = lossless; a bf16 near-tie flip counts once, not for the whole rest)."""
-    out = {}
+    out, choices = {}, {}  # methods that emit the same tokens share one teacher-forced pass
     for m in names:
         same = total = 0
         for x in rows:
             if x["method"] == m and x["repeat"] == 0:
-                want = plain_choices(target, prompts[x["prompt"]], x["tokens"])
+                key = (x["prompt"], tuple(x["tokens"]))
+                if key not in choices:
+                    choices[key] = plain_choices(target, prompts[x["prompt"]], x["tokens"])
+                want = choices[key]
                 same += sum(a == b for a, b in zip(x["tokens"], want))
                 total += len(want)
         out[m] = same / max(1, total)

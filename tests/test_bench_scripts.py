@@ -1,0 +1,75 @@
+"""The decode benchmarks (`scripts/bench_decode.py`, `scripts/bench_batch.py`) run end to end on the tiny
+target with a random exported head: every method named by the flags gets a row, and in fp32 every
+speculative row emits exactly plain greedy decoding's tokens (the scripts' own agreement figures)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3_platform.records import Message, PromptRecord, write_jsonl_atomic
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import bench_batch  # noqa: E402
+import bench_decode  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def export_dir(tiny_target_dir, tmp_path_factory):
+    from eagle3_platform.draft.export import export_draft
+    from eagle3_platform.draft.model import DraftConfig, build_draft, target_hf_config
+    from eagle3_platform.draft.train import save_draft_dir
+    from eagle3_platform.target import read_meta
+
+    torch.manual_seed(0)
+    cfg = DraftConfig.from_target(target_hf_config(tiny_target_dir), 64,
+                                  read_meta(tiny_target_dir)["capture_layer_ids"])
+    root = tmp_path_factory.mktemp("bench_scripts")
+    save_draft_dir(root / "draft", build_draft(tiny_target_dir, cfg))
+    export_draft(root / "draft", root / "export", dtype="float32")
+    return root / "export"
+
+
+def test_bench_decode_rows_and_fp32_agreement(tiny_target_dir, export_dir, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    write_jsonl_atomic(prompts, [
+        PromptRecord(id=f"p{i}", workload="chat", source="test", license="MIT",
+                     messages=[Message(role="user", content=text)])
+        for i, text in enumerate(["Name three colours.", "Count from one to five, please."])])
+    out = tmp_path / "bd.json"
+    assert bench_decode.main([
+        "--target", str(tiny_target_dir), "--draft", str(export_dir), "--prompts", str(prompts),
+        "--max-new-tokens", "12", "--repeats", "1", "--dtype", "float32", "--spec", "chain",
+        "--lookup-tokens", "4", "--draft-threads", "1", "2", "--oracle", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    figures = result["figures"]
+    spec_rows = {"eagle3_chain", "eagle3_chain_dt2", "eagle3_chain_lookup4", "eagle3_chain_lookup4_dt2",
+                 "oracle_chain"}
+    assert spec_rows | {"hf_greedy", "engine_baseline"} <= set(figures)
+    assert result["config"]["dtype"] == "float32" and result["config"]["n_prompts"] == 2
+    for name in spec_rows:
+        f = figures[name]
+        assert f["tok_s_median"] > 0 and f["tau"] >= 1.0, name
+        assert f["token_agreement"] == 1.0, name  # fp32: greedy speculation is exact
+    assert figures["oracle_chain"]["tau"] > figures["eagle3_chain"]["tau"]  # a random head rarely hits
+
+
+def test_bench_batch_rows_and_fp32_invariance(tiny_target_dir, export_dir, tmp_path):
+    out = tmp_path / "bb.json"
+    assert bench_batch.main([
+        "--target", str(tiny_target_dir), "--draft", str(export_dir), "--batch-sizes", "1,3",
+        "--prompts", "3", "--max-new", "8", "--repeats", "1", "--fixed", "2", "--dtype", "float32",
+        "--draft-threads", "2", "--invariance", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = {(r["batch"], r["method"]): r for r in result["rows"]}
+    assert set(rows) == {(b, m) for b in (1, 3) for m in ("hf_generate", "baseline", "eagle3", "eagle3_k2")}
+    assert all(r["tok_s"] > 0 for r in rows.values())
+    assert rows[(3, "eagle3_k2")]["mean_draft_size"] == 2 and rows[(3, "eagle3_k2")]["tau"] >= 1.0
+    for name in ("baseline", "eagle3"):  # fp32: a request's tokens do not depend on its batch
+        assert result["invariance"][name] == {"batch": 3, "requests_differing": 0.0, "token_agreement": 1.0}
