@@ -16,6 +16,11 @@ tok/s), while the AMD EPYC (Zen 4) of earlier sessions ran a 5-token bf16 forwar
 fp32 (the issue's figures). So for dense work `auto` measures: one matmul in both
 dtypes, once per machine (the result is cached on disk, so a stage's dtype does not flip between
 runs), and bf16 only where it is clearly faster.
+
+Kernels differ by machine too: oneDNN's packed weights (packed_linear.py) beat torch's row-major
+ones at every decode width in bf16 where it is native, but in fp32 on an Intel CPU whose VM hides
+avx512_bf16 the row-major kernel is faster below 4 rows. Under `auto` a second probe finds that row
+count per dtype (narrow_matmul_rows), kept in the same file.
 """
 from __future__ import annotations
 
@@ -41,6 +46,10 @@ PROBE_FILE = "compute_probe.json"
 # slowed batch-8 plain steps 52 -> 60 ms, from 16 rows batch-16 ones 79 -> 85 ms; from 32 rows it costs
 # no step and saves 9-16% of batch 8-16 verifies and 27% of a prefill.
 WIDE_FP32_ROWS = 32
+# Row counts the row-major probe tries. Intel Xeon with avx512_bf16 hidden (fp32 decode), 2 threads
+# (~/.cache/eagle3-runs/s25/gemv.py): torch's row-major kernels beat oneDNN's packed ones 1.3-1.7x on
+# SmolLM2's layers at 1-3 rows, packed wins from 4 rows (1.1-1.6x) and on the lm_head at 4+ rows (1.7x).
+ROWMAJOR_PROBE_ROWS = (1, 2, 3, 4, 6, 8)
 
 
 @functools.lru_cache(maxsize=1)
@@ -107,6 +116,16 @@ def wide_matmul_rows(name: str, device: str = "cpu") -> int:
     return WIDE_FP32_ROWS if wide else 0
 
 
+def narrow_matmul_rows(name: str, device: str = "cpu") -> int:
+    """Rows below which a model's CPU linear layers multiply on their row-major weight instead of
+    oneDNN's packed copy (packed_linear.PackedWeight); 0 = never. Under `auto` only, from the
+    machine's probe (rowmajor_matmul_rows) in the decode dtype: a decode step's one row per sequence
+    is where the kernels differ most. Explicit dtypes keep the packed kernels."""
+    if name != "auto" or not device.startswith("cpu"):
+        return 0
+    return rowmajor_matmul_rows(resolve_dtype(name, device))
+
+
 def torch_dtype(name: str, device: str = "cpu", work: str = "decode") -> torch.dtype:
     return getattr(torch, resolve_dtype(name, device, work))
 
@@ -122,26 +141,39 @@ def autocast(dtype: str, device: str = "cpu"):
 def dense_bf16_speedup() -> float:
     """fp32 time / bf16 time of a dense matmul on this CPU: read from the machine's probe file, or
     measured once (~0.2 s) and written there. Keyed by CPU model, flags and torch version."""
+    return float(_probed("dense_bf16_speedup", lambda: round(_measure_dense_bf16_speedup(), 3)))
+
+
+@functools.lru_cache(maxsize=4)
+def rowmajor_matmul_rows(dtype: str) -> int:
+    """Rows below which torch's row-major linear beats oneDNN's packed one for `dtype` on this CPU
+    (0 = never): read from the machine's probe file, or measured once (~0.3 s) and written there."""
+    return int(_probed(f"rowmajor_rows_{dtype}", lambda: _measure_rowmajor_rows(getattr(torch, dtype))))
+
+
+def _probed(name: str, measure):
+    """The machine's probe entry `name`, measured and written on first use. Best effort: an
+    unreadable or unwritable cache only means measuring again next time."""
     path = cache_root() / PROBE_FILE
     key = _machine_key()
     try:
         known = json.loads(path.read_text())
     except (OSError, ValueError):
         known = {}
-    entry = known.get(key) if isinstance(known, dict) else None
-    if isinstance(entry, dict) and isinstance(entry.get("dense_bf16_speedup"), (int, float)):
-        return float(entry["dense_bf16_speedup"])
-    speedup = _measure_dense_bf16_speedup()
     known = known if isinstance(known, dict) else {}
-    known[key] = {"dense_bf16_speedup": round(speedup, 3), "torch_threads": torch.get_num_threads()}
-    try:  # best effort: an unwritable cache only means measuring again next time
+    entry = known.get(key) if isinstance(known.get(key), dict) else {}
+    if isinstance(entry.get(name), (int, float)):
+        return entry[name]
+    value = measure()
+    known[key] = {**entry, name: value, "torch_threads": torch.get_num_threads()}
+    try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
         tmp.write_text(json.dumps(known, indent=2))
         os.replace(tmp, path)
     except OSError:
         pass
-    return speedup
+    return value
 
 
 def _machine_key() -> str:
@@ -165,6 +197,34 @@ def _measure_dense_bf16_speedup(rows: int = 512, reps: int = 5) -> float:
             if rep >= 2:
                 best[dt] = min(best[dt], time.perf_counter() - t0)
     return best[torch.float32] / best[torch.bfloat16]
+
+
+@torch.inference_mode()
+def _measure_rowmajor_rows(dtype: torch.dtype, reps: int = 5) -> int:
+    """The fewest rows (of ROWMAJOR_PROBE_ROWS) at which SmolLM2's MLP matmuls ([M,576]x[576,3072],
+    [M,1536]x[1536,576]) run no slower packed than row-major, best of `reps` interleaved; 0 where
+    packed wins from one row (rows below the answer take the row-major kernel)."""
+    from eagle3_platform.packed_linear import pack_weight, packed_matmul, packing_available
+
+    if not packing_available():
+        return 0
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(o, i, generator=gen).to(dtype) for o, i in ((3072, 576), (576, 1536))]
+    packed = [pack_weight(w) for w in weights]
+    for rows in ROWMAJOR_PROBE_ROWS:
+        xs = [torch.randn(rows, w.shape[1], generator=gen).to(dtype) for w in weights]
+        best = {"packed": float("inf"), "rowmajor": float("inf")}
+        for rep in range(reps + 2):  # the first two rounds warm the kernels up
+            for kind in best:
+                t0 = time.perf_counter()
+                for _ in range(4):
+                    for x, w, p in zip(xs, weights, packed):
+                        packed_matmul(x, p, None) if kind == "packed" else torch.nn.functional.linear(x, w)
+                if rep >= 2:
+                    best[kind] = min(best[kind], time.perf_counter() - t0)
+        if best["packed"] <= best["rowmajor"]:
+            return 0 if rows == ROWMAJOR_PROBE_ROWS[0] else rows
+    return ROWMAJOR_PROBE_ROWS[-1]
 
 
 def resolve_threads(threads: int) -> int:

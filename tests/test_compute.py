@@ -128,6 +128,42 @@ def test_wide_bf16_matmuls_run_in_fp32_only_where_dense_bf16_work_is_slow(cpu_wi
     assert compute.wide_matmul_rows("auto") == 0
 
 
+def test_narrow_matmuls_take_row_major_weights_under_auto_from_the_probe(cpu_with, monkeypatch):
+    probed = []
+    monkeypatch.setattr(compute, "rowmajor_matmul_rows", lambda dtype: probed.append(dtype) or 4)
+    cpu_with("avx512f")
+    assert compute.narrow_matmul_rows("auto") == 4 and probed == ["float32"]  # the decode dtype's
+    cpu_with("avx512_bf16")
+    assert compute.narrow_matmul_rows("auto") == 4 and probed[-1] == "bfloat16"
+    assert compute.narrow_matmul_rows("float32") == compute.narrow_matmul_rows("bfloat16") == 0
+    assert compute.narrow_matmul_rows("auto", "cuda") == 0 and len(probed) == 2
+
+
+def test_probes_share_the_machine_entry_on_disk(monkeypatch, tmp_path):
+    """Each probe is measured once per machine and dtype and kept beside the others."""
+    monkeypatch.setenv("EAGLE3_CACHE", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(compute, "_measure_dense_bf16_speedup", lambda: calls.append("dense") or 0.6)
+    monkeypatch.setattr(compute, "_measure_rowmajor_rows", lambda dt: calls.append(dt) or 3)
+    for probe in (compute.dense_bf16_speedup, compute.rowmajor_matmul_rows):
+        probe.cache_clear()
+    try:
+        assert compute.rowmajor_matmul_rows("float32") == 3 and compute.dense_bf16_speedup() == 0.6
+        compute.rowmajor_matmul_rows.cache_clear()  # a new process: read, not measured
+        assert compute.rowmajor_matmul_rows("float32") == 3 and calls == [torch.float32, "dense"]
+        assert compute.rowmajor_matmul_rows("bfloat16") == 3 and calls[-1] is torch.bfloat16
+        entry = list(json.loads((tmp_path / compute.PROBE_FILE).read_text()).values())[0]
+        assert entry["rowmajor_rows_float32"] == entry["rowmajor_rows_bfloat16"] == 3
+        assert entry["dense_bf16_speedup"] == 0.6
+    finally:
+        for probe in (compute.dense_bf16_speedup, compute.rowmajor_matmul_rows):
+            probe.cache_clear()
+
+
+def test_rowmajor_probe_answers_a_probed_row_count():
+    assert compute._measure_rowmajor_rows(torch.float32, reps=1) in {0, *compute.ROWMAJOR_PROBE_ROWS[1:]}
+
+
 def test_autocast_is_on_only_for_bf16(cpu_with):
     cpu_with()
     with compute.autocast("auto"):
@@ -142,11 +178,15 @@ def test_autocast_is_on_only_for_bf16(cpu_with):
 def test_target_loads_in_the_resolved_dtype_and_records_it(cpu_with, tiny_target_dir, monkeypatch, flags, want):
     cpu_with(*flags)
     monkeypatch.setattr(compute, "dense_bf16_speedup", lambda: 0.5)  # bf16 matmuls slow: fp32 cache
+    monkeypatch.setattr(compute, "rowmajor_matmul_rows", lambda dtype: 3)
     t = load_target(tiny_target_dir, dtype="auto")
     assert next(t.model.parameters()).dtype is want
     assert t.meta["dtype"] == str(want).removeprefix("torch.")
     assert t.meta["kv_cache_dtype"] == "float32"
     assert t.meta["wide_fp32_rows"] == (compute.WIDE_FP32_ROWS if want is torch.bfloat16 else 0)
+    assert t.meta["rowmajor_rows"] == 3  # the probe's answer (mocked), kept beside the packed weights
+    down = t.model.model.layers[0].mlp.down_proj.weight_packed
+    assert down.narrow_rows == 3 and down.rowmajor.dtype is want
     from eagle3_platform.spec.engine import SpecEngine
     from eagle3_platform.spec.config import PRESETS
     assert SpecEngine(t, None, PRESETS["baseline"]).batch().cache.kv_dtype is torch.float32

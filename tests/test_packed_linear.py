@@ -138,3 +138,41 @@ def test_wide_copies_are_bf16_only_and_shared_inputs_take_them(monkeypatch):
         out = attn.q_proj(x)
     assert seen == [torch.float32] and out.dtype is torch.bfloat16
     torch.testing.assert_close(out.float(), plain(x).float(), **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_narrow_inputs_multiply_on_the_row_major_weight(monkeypatch, bias):
+    """narrow_rows 4: inputs of fewer rows take torch's row-major kernel, 4+ the packed one; both
+    equal nn.Linear's output (another kernel: fp32 summation order only)."""
+    import eagle3_platform.packed_linear as pl
+
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 96, bias=bias)
+    packed = PackedLinear(lin, narrow_rows=4)
+    seen = []
+    real = pl.packed_matmul
+    monkeypatch.setattr(pl, "packed_matmul", lambda x, w, b: seen.append("packed") or real(x, w, b))
+    for shape, path in (((1, 64), "rowmajor"), ((1, 3, 64), "rowmajor"), ((2, 2, 64), "packed"),
+                        ((9, 64), "packed")):
+        x = torch.randn(shape)
+        with torch.inference_mode():
+            out = packed(x)
+        assert (seen.pop() if seen else "rowmajor") == path and not seen
+        torch.testing.assert_close(out, lin(x), rtol=1e-5, atol=1e-5)
+    assert "row-major below 4 rows" in repr(packed)
+    assert PackedLinear(lin).weight_packed.rowmajor is None  # narrow_rows 0: no second copy
+
+
+def test_shared_inputs_take_the_row_major_weight_when_narrow(monkeypatch):
+    import eagle3_platform.packed_linear as pl
+
+    torch.manual_seed(0)
+    mlp = nn.Module()
+    mlp.gate_proj, mlp.up_proj = nn.Linear(32, 48, bias=False), nn.Linear(32, 48, bias=False)
+    gate, up = mlp.gate_proj, mlp.up_proj
+    assert pl.fuse_siblings(mlp, narrow_rows=2) == 2
+    monkeypatch.setattr(pl, "packed_matmul", lambda *a: pytest.fail("packed kernel for one row"))
+    x = torch.randn(1, 32)
+    with torch.inference_mode():
+        torch.testing.assert_close(mlp.gate_proj(x), gate(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mlp.up_proj(x), up(x), rtol=1e-5, atol=1e-5)

@@ -64,13 +64,13 @@ def int8_head(draft: nn.Module) -> nn.Module:
     return _head_copy(draft, lambda lin: Int8Linear(lin) if int8_supported(lin) else lin)
 
 
-def packed_head(draft: nn.Module) -> nn.Module:
-    """A copy of the head on oneDNN-packed weights (packed_linear.py: q/k/v and gate/up fused),
-    `draft` left as it was."""
+def packed_head(draft: nn.Module, narrow_rows: int = 0) -> nn.Module:
+    """A copy of the head on oneDNN-packed weights (packed_linear.py: q/k/v and gate/up fused; inputs
+    of fewer than narrow_rows rows on the row-major weights), `draft` left as it was."""
     from eagle3_platform.packed_linear import pack_linears
 
     copied = _head_copy(draft)
-    pack_linears(copied)
+    pack_linears(copied, narrow_rows=narrow_rows)
     return copied
 
 

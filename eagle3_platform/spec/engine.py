@@ -50,7 +50,8 @@ class SpecEngine:
             if cfg.head_weights == "int8":  # a copy: engines with other settings may share `draft`
                 self.draft = int8_head(self.draft)
             elif cfg.head_weights == "packed":
-                self.draft = packed_head(self.draft)
+                # few rows on the row-major weights where the target's are (load_target decides)
+                self.draft = packed_head(self.draft, target.meta.get("rowmajor_rows", 0))
         # the head reads the layers it was trained on (its config), else the target's capture layers
         head_layers = getattr(getattr(draft, "cfg", None), "aux_layer_ids", None)
         self.layer_ids = list(head_layers or target.meta["capture_layer_ids"])
