@@ -7,7 +7,10 @@ dtype (auto = bf16 where the CPU has it), length-planned batches and its thread 
 KV cache reuse off). Same prompts (train prompts of `--workload` from `eagle3 sources`), same greedy
 budget, in one process; the paths alternate which goes first per repeat. Response PII scanning is
 off: this measures generation. With `--reference bf16_only`: the preset's path with dtype pinned to
-bfloat16, so every matmul stays bf16 (no fp32 copies for wide ones: compute.wide_matmul_rows).
+bfloat16, so every matmul stays bf16 (no fp32 copies for wide ones: compute.wide_matmul_rows). With
+`--reference pinned_dtype`: the preset's path with dtype pinned to what `auto` resolves to, so every
+matmul runs on the packed weights (no fp32 copies for wide ones, no row-major ones for few rows:
+compute.narrow_matmul_rows).
 
     python scripts/bench_regen.py --target ~/.cache/eagle3-runs/smol --prompts 64 --preset demo
     python scripts/bench_regen.py --workload multi_turn --prompts 48 --preset cpu --reference no_cache_reuse
@@ -27,6 +30,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TLDEXTRACT_PUBLIC_SUFFIX_LIST_URLS", "")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from eagle3_platform.compute import resolve_dtype  # noqa: E402
 from eagle3_platform.data.regenerate import PRESETS, regenerate_file  # noqa: E402
 from eagle3_platform.data.sources import iter_workload  # noqa: E402
 from eagle3_platform.paths import cache_root  # noqa: E402
@@ -53,7 +57,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--preset", default="demo")
     ap.add_argument("--workload", default="chat")
-    ap.add_argument("--reference", default="turn1_demo_path", choices=["turn1_demo_path", "no_cache_reuse", "bf16_only"])
+    ap.add_argument("--reference", default="turn1_demo_path", choices=["turn1_demo_path", "no_cache_reuse", "bf16_only", "pinned_dtype"])
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default: the preset's")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default=None, help="optional JSON results file")
@@ -70,6 +74,8 @@ def main() -> None:
         old = replace(new, dtype="float32", batch_size=8, torch_threads=1, packed_linears=False)
     elif ref == "bf16_only":
         old = replace(new, dtype="bfloat16")
+    elif ref == "pinned_dtype":
+        old = replace(new, dtype=resolve_dtype(new.dtype))
     else:
         old = replace(new, reuse_turn_cache=False)
     work = Path(tempfile.mkdtemp(prefix="bench-regen-"))
