@@ -43,6 +43,25 @@ def tiny_target(tiny_target_dir):
 
 
 @pytest.fixture(scope="session")
+def random_head_export(tiny_target_dir, tmp_path_factory) -> Path:
+    """An exported EAGLE-3 head with random weights (seed 0) for the tiny target."""
+    import torch
+
+    from eagle3_platform.draft.export import export_draft
+    from eagle3_platform.draft.model import DraftConfig, build_draft, target_hf_config
+    from eagle3_platform.draft.train import save_draft_dir
+    from eagle3_platform.target import read_meta
+
+    torch.manual_seed(0)
+    cfg = DraftConfig.from_target(target_hf_config(tiny_target_dir), 64,
+                                  read_meta(tiny_target_dir)["capture_layer_ids"])
+    root = tmp_path_factory.mktemp("random_head")
+    save_draft_dir(root / "draft", build_draft(tiny_target_dir, cfg))
+    export_draft(root / "draft", root / "export")
+    return root / "export"
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory) -> Path:
     """The real embedded target (e2e tier only). Conversion is cached under ~/.cache/eagle3."""
     from eagle3_platform.target import SMOLLM2, prepare_target, smollm2_gguf_path

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from eagle3_platform.records import Message, PromptRecord, write_jsonl_atomic
 
@@ -20,23 +19,7 @@ import bench_decode  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture(scope="module")
-def export_dir(tiny_target_dir, tmp_path_factory):
-    from eagle3_platform.draft.export import export_draft
-    from eagle3_platform.draft.model import DraftConfig, build_draft, target_hf_config
-    from eagle3_platform.draft.train import save_draft_dir
-    from eagle3_platform.target import read_meta
-
-    torch.manual_seed(0)
-    cfg = DraftConfig.from_target(target_hf_config(tiny_target_dir), 64,
-                                  read_meta(tiny_target_dir)["capture_layer_ids"])
-    root = tmp_path_factory.mktemp("bench_scripts")
-    save_draft_dir(root / "draft", build_draft(tiny_target_dir, cfg))
-    export_draft(root / "draft", root / "export", dtype="float32")
-    return root / "export"
-
-
-def test_bench_decode_rows_and_fp32_agreement(tiny_target_dir, export_dir, tmp_path):
+def test_bench_decode_rows_and_fp32_agreement(tiny_target_dir, random_head_export, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     write_jsonl_atomic(prompts, [
         PromptRecord(id=f"p{i}", workload="chat", source="test", license="MIT",
@@ -44,7 +27,7 @@ def test_bench_decode_rows_and_fp32_agreement(tiny_target_dir, export_dir, tmp_p
         for i, text in enumerate(["Name three colours.", "Count from one to five, please."])])
     out = tmp_path / "bd.json"
     assert bench_decode.main([
-        "--target", str(tiny_target_dir), "--draft", str(export_dir), "--prompts", str(prompts),
+        "--target", str(tiny_target_dir), "--draft", str(random_head_export), "--prompts", str(prompts),
         "--max-new-tokens", "12", "--repeats", "1", "--dtype", "float32", "--spec", "chain",
         "--lookup-tokens", "4", "--draft-threads", "1", "2", "--oracle", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
@@ -60,10 +43,10 @@ def test_bench_decode_rows_and_fp32_agreement(tiny_target_dir, export_dir, tmp_p
     assert figures["oracle_chain"]["tau"] > figures["eagle3_chain"]["tau"]  # a random head rarely hits
 
 
-def test_bench_batch_rows_and_fp32_invariance(tiny_target_dir, export_dir, tmp_path):
+def test_bench_batch_rows_and_fp32_invariance(tiny_target_dir, random_head_export, tmp_path):
     out = tmp_path / "bb.json"
     assert bench_batch.main([
-        "--target", str(tiny_target_dir), "--draft", str(export_dir), "--batch-sizes", "1,3",
+        "--target", str(tiny_target_dir), "--draft", str(random_head_export), "--batch-sizes", "1,3",
         "--prompts", "3", "--max-new", "8", "--repeats", "1", "--fixed", "2", "--dtype", "float32",
         "--draft-threads", "2", "--invariance", "--out", str(out)]) == 0
     result = json.loads(out.read_text())

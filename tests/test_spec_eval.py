@@ -5,29 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from eagle3_platform import cli
 from eagle3_platform.records import Message, PromptRecord, write_jsonl_atomic
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def export_dir(tiny_target_dir, tmp_path_factory):
-    from eagle3_platform.draft.export import export_draft
-    from eagle3_platform.draft.model import DraftConfig, build_draft, target_hf_config
-    from eagle3_platform.draft.train import save_draft_dir
-    from eagle3_platform.target import read_meta
-
-    torch.manual_seed(0)
-    cfg = DraftConfig.from_target(target_hf_config(tiny_target_dir), 64,
-                                  read_meta(tiny_target_dir)["capture_layer_ids"])
-    root = tmp_path_factory.mktemp("spec_eval")
-    save_draft_dir(root / "draft", build_draft(tiny_target_dir, cfg))
-    export_draft(root / "draft", root / "export")
-    return root / "export"
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +31,8 @@ def _run(capsys, argv):
     return code, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-def test_eval_cli_lossless(tiny_target_dir, export_dir, prompts, tmp_path, capsys):
-    code, s = _run(capsys, ["eval", "--target", str(tiny_target_dir), "--draft", str(export_dir),
+def test_eval_cli_lossless(tiny_target_dir, random_head_export, prompts, tmp_path, capsys):
+    code, s = _run(capsys, ["eval", "--target", str(tiny_target_dir), "--draft", str(random_head_export),
                             "--prompts", str(prompts), "--max-new-tokens", "8", "--verify-lossless",
                             "--spec", "tree", "--out", str(tmp_path / "r.json")])
     assert code == 0 and s["ok"]
