@@ -181,6 +181,18 @@ def _machine_key() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def _best_times(calls: dict, reps: int) -> dict:
+    """Best time per call over `reps` rounds that interleave the calls (two warm-up rounds first)."""
+    best = {k: float("inf") for k in calls}
+    for rep in range(reps + 2):
+        for k, call in calls.items():
+            t0 = time.perf_counter()
+            call()
+            if rep >= 2:
+                best[k] = min(best[k], time.perf_counter() - t0)
+    return best
+
+
 @torch.inference_mode()
 def _measure_dense_bf16_speedup(rows: int = 512, reps: int = 5) -> float:
     """Best of `reps` interleaved [rows,576]x[576,1536] matmuls per dtype (SmolLM2's MLP shape)."""
@@ -188,14 +200,8 @@ def _measure_dense_bf16_speedup(rows: int = 512, reps: int = 5) -> float:
     x = torch.randn(rows, 576, generator=gen)
     w = torch.randn(1536, 576, generator=gen)
     pairs = {torch.float32: (x, w), torch.bfloat16: (x.bfloat16(), w.bfloat16())}
-    best = {dt: float("inf") for dt in pairs}
-    for rep in range(reps + 2):  # the first two rounds warm the kernels up
-        for dt, (a, b) in pairs.items():
-            t0 = time.perf_counter()
-            for _ in range(4):
-                torch.nn.functional.linear(a, b)
-            if rep >= 2:
-                best[dt] = min(best[dt], time.perf_counter() - t0)
+    best = _best_times({dt: lambda a=a, b=b: [torch.nn.functional.linear(a, b) for _ in range(4)]
+                        for dt, (a, b) in pairs.items()}, reps)
     return best[torch.float32] / best[torch.bfloat16]
 
 
@@ -213,15 +219,10 @@ def _measure_rowmajor_rows(dtype: torch.dtype, reps: int = 5) -> int:
     packed = [pack_weight(w) for w in weights]
     for rows in ROWMAJOR_PROBE_ROWS:
         xs = [torch.randn(rows, w.shape[1], generator=gen).to(dtype) for w in weights]
-        best = {"packed": float("inf"), "rowmajor": float("inf")}
-        for rep in range(reps + 2):  # the first two rounds warm the kernels up
-            for kind in best:
-                t0 = time.perf_counter()
-                for _ in range(4):
-                    for x, w, p in zip(xs, weights, packed):
-                        packed_matmul(x, p, None) if kind == "packed" else torch.nn.functional.linear(x, w)
-                if rep >= 2:
-                    best[kind] = min(best[kind], time.perf_counter() - t0)
+        best = _best_times({
+            "packed": lambda: [packed_matmul(x, p, None) for _ in range(4) for x, p in zip(xs, packed)],
+            "rowmajor": lambda: [torch.nn.functional.linear(x, w) for _ in range(4) for x, w in zip(xs, weights)],
+        }, reps)
         if best["packed"] <= best["rowmajor"]:
             return 0 if rows == ROWMAJOR_PROBE_ROWS[0] else rows
     return ROWMAJOR_PROBE_ROWS[-1]
