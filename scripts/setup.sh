@@ -15,7 +15,8 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # fetched in parallel (~28 s for the project's ~190 packages against ~2 min with pip, fresh caches).
 # --compile-bytecode as pip does: where PYTHONDONTWRITEBYTECODE is set (these machines), nothing else
 # writes the .pyc files, and every process (servers, Pipes workers, test subprocesses) would compile
-# its imports anew: the test suite took 15.4 instead of ~11 min without it.
+# its imports anew (importing dagster + transformers + torch: 10.0 s against 4.1 s compiled; the test
+# suite 15.4 against 13.6 min on the same box within the hour).
 echo "[setup] torch==2.13.0 (CPU build, installed first so nothing resolves a multi-GB CUDA build) + uv"
 $PIP install -q torch==2.13.0 uv==0.13.9
 UV_PIP=(.venv/bin/uv pip install -q --compile-bytecode --python .venv/bin/python)
