@@ -151,6 +151,8 @@ def test_report_files_from_results(tmp_path):
     runs[2]["cells"]["all"].update(mean_draft_size=1.5, mean_batch_size=3.25)   # eagle3 c=1
     results["headline"] = h = headline(results)
     assert h["tpot_speedup"] == pytest.approx(2.0) and h["throughput_ratio"]["2"] == pytest.approx(2.0)
+    assert h["baseline_throughput_scaling"] == {"2": pytest.approx(1.0)}  # same cells at c = 1 and 2
+    assert h["eagle3_ttft_scaling"] == {"2": pytest.approx(1.0)}
     files = write_report(results, tmp_path)
     for p in files["plots"]:
         assert open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
@@ -162,6 +164,24 @@ def test_report_files_from_results(tmp_path):
     html = (tmp_path / "report.html").read_text()
     assert html.count("data:image/png;base64,") == 4  # self-contained
     assert json.loads((tmp_path / "results.json").read_text())["headline"]["tpot_speedup"] == 2.0
+
+
+def test_headline_scaling_against_the_lowest_concurrency():
+    from eagle3_platform.bench.run import headline
+
+    def run(ep, c, tps, ttft):
+        return {"endpoint": ep, "concurrency": c,
+                "cells": {"all": {"output_tok_per_s": tps, "median_ttft_s": ttft, "failures": 0}}}
+    runs = [run("baseline", 1, 20.0, 0.1), run("baseline", 8, 70.0, 0.35),
+            run("eagle3", 1, 25.0, 0.2), run("eagle3", 4, 50.0, 0.3)]
+    h = headline({"runs": runs})
+    assert h["baseline_throughput_scaling"] == {"8": pytest.approx(3.5)}
+    assert h["baseline_ttft_scaling"] == {"8": pytest.approx(3.5)}
+    assert h["eagle3_throughput_scaling"] == {"4": pytest.approx(2.0)}  # only the levels it ran
+    assert h["eagle3_ttft_scaling"] == {"4": pytest.approx(1.5)}
+    alone = headline({"runs": runs[2:]})  # no baseline endpoint: no baseline keys
+    assert "baseline_throughput_scaling" not in alone and alone["eagle3_throughput_scaling"] == {
+        "4": pytest.approx(2.0)}
 
 
 def test_sweep_cells_carry_server_histograms(tmp_path, prompts_file, monkeypatch):

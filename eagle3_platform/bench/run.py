@@ -250,8 +250,24 @@ def headline(results: dict) -> dict:
             for c in cs if ("baseline", c) in cells and ("eagle3", c) in cells
             and cells[("baseline", c)].get("output_tok_per_s")
             and cells[("eagle3", c)].get("output_tok_per_s")}
+    # how each endpoint scales with concurrency against its own lowest level (issue goals read
+    # "throughput at c = 8 vs c = 1" and "median TTFT at c = 8 vs c = 1")
+    for label in ("baseline", "eagle3"):
+        for name, key in (("throughput_scaling", "output_tok_per_s"), ("ttft_scaling", "median_ttft_s")):
+            ratios = _vs_lowest(cells, label, key, cs)
+            if ratios:
+                out[f"{label}_{name}"] = ratios
     out["failures"] = sum(v.get("failures", 0) for v in cells.values())
     return out
+
+
+def _vs_lowest(cells: dict, label: str, key: str, cs: list[int]) -> dict[str, float]:
+    """{c: cell(c)[key] / cell(c0)[key]} for label's levels above the lowest (c0); {} if unmeasured."""
+    base = cells.get((label, cs[0]), {}).get(key)
+    if not base:
+        return {}
+    return {str(c): cells[(label, c)][key] / base for c in cs[1:]
+            if (label, c) in cells and cells[(label, c)].get(key)}
 
 
 def _ms(s: float | None) -> float | None:
