@@ -21,6 +21,12 @@ Kernels differ by machine too: oneDNN's packed weights (packed_linear.py) beat t
 ones at every decode width in bf16 where it is native, but in fp32 on an Intel CPU whose VM hides
 avx512_bf16 the row-major kernel is faster below 4 rows. Under `auto` a second probe finds that row
 count per dtype (narrow_matmul_rows), kept in the same file.
+
+Where decode runs in fp32 for want of native bf16, a target whose weights lie on a 4-bit grid (the
+embedded SmolLM2 is a GGUF Q4_1) can still multiply a few rows in bf16, on its codes
+(int4_weights.py: 1/8 of the fp32 bytes; a whole decode step 1.6x faster on the Intel box). Under
+`auto` a third probe finds below how many rows that wins (int4_matmul_rows); those matmuls then round
+like bf16 ones, which bench_decode's token agreement reports. Explicit dtypes keep their arithmetic.
 """
 from __future__ import annotations
 
@@ -50,6 +56,10 @@ WIDE_FP32_ROWS = 32
 # (~/.cache/eagle3-runs/s25/gemv.py): torch's row-major kernels beat oneDNN's packed ones 1.3-1.7x on
 # SmolLM2's layers at 1-3 rows, packed wins from 4 rows (1.1-1.6x) and on the lm_head at 4+ rows (1.7x).
 ROWMAJOR_PROBE_ROWS = (1, 2, 3, 4, 6, 8)
+# Row counts the int4 probe tries: the kernel tiles rows by 4, so its cost steps at 5, 9, 13, ...
+# SmolLM2's MLP shapes, 2 threads, Intel Xeon without avx512_bf16 (~/.cache/eagle3-runs/s27/): codes
+# 2.7x faster than fp32 at 1 row, 3.1x at 4, 2.2x at 8, ~even at 32.
+INT4_PROBE_ROWS = (4, 8, 12, 16, 24, 32)
 
 
 @functools.lru_cache(maxsize=1)
@@ -126,6 +136,16 @@ def narrow_matmul_rows(name: str, device: str = "cpu") -> int:
     return rowmajor_matmul_rows(resolve_dtype(name, device))
 
 
+def int4_matmul_rows(name: str, device: str = "cpu") -> int:
+    """Rows below which a CPU linear whose weights lie on a 4-bit grid multiplies on its codes
+    (packed_linear.PackedWeight, int4_weights.py); 0 = never. Under `auto` only, where decode resolves
+    to fp32 (no native bf16; there the codes give bf16's speed at bf16's rounding), from the
+    machine's probe (int4_probe_rows)."""
+    if name != "auto" or not device.startswith("cpu") or resolve_dtype(name, device) != "float32":
+        return 0
+    return int4_probe_rows()
+
+
 def torch_dtype(name: str, device: str = "cpu", work: str = "decode") -> torch.dtype:
     return getattr(torch, resolve_dtype(name, device, work))
 
@@ -149,6 +169,13 @@ def rowmajor_matmul_rows(dtype: str) -> int:
     """Rows below which torch's row-major linear beats oneDNN's packed one for `dtype` on this CPU
     (0 = never): read from the machine's probe file, or measured once (~0.3 s) and written there."""
     return int(_probed(f"rowmajor_rows_{dtype}", lambda: _measure_rowmajor_rows(getattr(torch, dtype))))
+
+
+@functools.lru_cache(maxsize=1)
+def int4_probe_rows() -> int:
+    """Rows below which torch's int4 kernel beats the faster fp32 kernel (row-major or packed) on
+    this CPU (0 = never): read from the machine's probe file, or measured once (~1 s) and written."""
+    return int(_probed("int4_rows", _measure_int4_rows))
 
 
 def _probed(name: str, measure):
@@ -226,6 +253,42 @@ def _measure_rowmajor_rows(dtype: torch.dtype, reps: int = 5) -> int:
         if best["packed"] <= best["rowmajor"]:
             return 0 if rows == ROWMAJOR_PROBE_ROWS[0] else rows
     return ROWMAJOR_PROBE_ROWS[-1]
+
+
+@torch.inference_mode()
+def _measure_int4_rows(reps: int = 5) -> int:
+    """One more than the most rows (of INT4_PROBE_ROWS, in order) at which SmolLM2's MLP matmuls
+    ([M,576]x[576,3072], [M,1536]x[1536,576], weights on a random 4-bit grid) run faster on their
+    codes than in fp32 (the faster of row-major and packed), best of `reps` interleaved; 0 where fp32
+    wins at the first. (The kernel's cost steps every 4 rows: winning at 12 means winning at 9-12.)"""
+    from eagle3_platform.int4_weights import GROUP, LEVELS, grid_codes, int4_matmul
+    from eagle3_platform.packed_linear import pack_weight, packed_matmul, packing_available
+
+    gen = torch.Generator().manual_seed(0)
+    weights = []
+    for o, i in ((3072, 576), (576, 1536)):
+        q = torch.randint(0, LEVELS + 1, (o, i // GROUP, GROUP), generator=gen).float()
+        q[..., 0], q[..., 1] = 0, LEVELS  # each group spans the grid, as Q4_1's do
+        d, lo = torch.rand(o, i // GROUP, 1, generator=gen) / 100, -torch.rand(o, i // GROUP, 1, generator=gen) / 10
+        weights.append((q * d + lo).reshape(o, i))
+    codes = [grid_codes(w) for w in weights]
+    if None in codes:  # no int4 kernel in this torch
+        return 0
+    packed = [pack_weight(w) for w in weights] if packing_available() else None
+    won = 0
+    for rows in INT4_PROBE_ROWS:
+        xs = [torch.randn(rows, w.shape[1], generator=gen) for w in weights]
+        calls = {
+            "int4": lambda: [int4_matmul(x, c) for _ in range(4) for x, c in zip(xs, codes)],
+            "rowmajor": lambda: [torch.nn.functional.linear(x, w) for _ in range(4) for x, w in zip(xs, weights)],
+        }
+        if packed:
+            calls["packed"] = lambda: [packed_matmul(x, p, None) for _ in range(4) for x, p in zip(xs, packed)]
+        best = _best_times(calls, reps)
+        if min(t for k, t in best.items() if k != "int4") <= best["int4"]:
+            break
+        won = rows
+    return won + 1 if won else 0
 
 
 def resolve_threads(threads: int) -> int:

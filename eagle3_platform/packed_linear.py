@@ -23,11 +23,17 @@ fp32), fp32 accumulation either way; the output is rounded to the input's dtype.
 Narrow inputs (`narrow_rows`, compute.narrow_matmul_rows): where torch's row-major kernel beats the
 packed one for a few rows (fp32 on an Intel CPU whose VM hides avx512_bf16: 1.3-1.7x at 1-3 rows,
 packed 1.1-1.6x faster from 4), the row-major weight is kept too and inputs of fewer rows use it.
+
+4-bit inputs (`int4_rows`, compute.int4_matmul_rows): where a weight lies exactly on a 4-bit grid (a
+GGUF Q4_1 target such as the embedded SmolLM2) and the machine computes in fp32, inputs of fewer rows
+multiply on its codes (int4_weights.py: 1/8 of the bytes, bf16 rounding). Checked before the other two.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from eagle3_platform.int4_weights import grid_codes, int4_matmul
 
 
 def packing_available() -> bool:
@@ -47,20 +53,27 @@ def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 class PackedWeight:
     """A weight (and bias) packed for oneDNN; a bf16 one with wide_rows > 0 also in fp32, which
     inputs of at least wide_rows rows multiply instead; with narrow_rows > 0 its row-major weight
-    kept too, which inputs of fewer rows multiply. Invariant: every path gives x @ Wᵀ + b in x's
-    dtype within one rounding of it (same products, fp32 accumulation, another summation order)."""
+    kept too, which inputs of fewer rows multiply; with int4_rows > 0 and the weight on a 4-bit grid,
+    its codes too, which inputs of fewer rows multiply first. Invariant: every path gives x @ Wᵀ + b
+    in x's dtype within one rounding of it (same products, fp32 accumulation, another summation
+    order), except the codes' path: within bf16 rounding of it."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, wide_rows: int = 0,
-                 narrow_rows: int = 0):
+                 narrow_rows: int = 0, int4_rows: int = 0):
         weight = weight.detach()
         self.packed, self.bias = pack_weight(weight), bias
-        self.narrow_rows = narrow_rows
-        self.rowmajor = weight.contiguous() if narrow_rows else None
+        self.int4 = grid_codes(weight) if int4_rows else None
+        self.int4_rows = int4_rows if self.int4 is not None else 0
+        self.narrow_rows = narrow_rows if narrow_rows > self.int4_rows else 0  # the codes serve fewer
+        self.rowmajor = weight.contiguous() if self.narrow_rows else None
         self.wide_rows = wide_rows if weight.dtype == torch.bfloat16 else 0
         self.wide = pack_weight(weight.float()) if self.wide_rows else None
         self.wide_bias = None if bias is None or not self.wide_rows else bias.detach().float()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        if self.int4 is not None and x.numel() < self.int4_rows * x.shape[-1]:
+            out = int4_matmul(x, self.int4)
+            return out if self.bias is None else out + self.bias
         if self.rowmajor is not None and x.numel() < self.narrow_rows * x.shape[-1]:
             return torch.nn.functional.linear(x, self.rowmajor, self.bias)
         if self.wide is not None and x.numel() >= self.wide_rows * x.shape[-1]:
@@ -72,20 +85,21 @@ class PackedLinear(nn.Module):
     """y = x @ Wᵀ + b with W held in oneDNN's layout (an opaque tensor: not a parameter, not in the
     state dict, no autograd). Built from an nn.Linear, whose weight it replaces."""
 
-    def __init__(self, linear: nn.Linear, wide_rows: int = 0, narrow_rows: int = 0):
+    def __init__(self, linear: nn.Linear, wide_rows: int = 0, narrow_rows: int = 0, int4_rows: int = 0):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
-        self.weight_packed = PackedWeight(linear.weight, self.bias, wide_rows, narrow_rows)
+        self.weight_packed = PackedWeight(linear.weight, self.bias, wide_rows, narrow_rows, int4_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         return self.weight_packed.matmul(x)
 
     def extra_repr(self) -> str:
-        wide, narrow = self.weight_packed.wide_rows, self.weight_packed.narrow_rows
+        w = self.weight_packed
         return (f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
-                + (f", fp32 from {wide} rows" if wide else "")
-                + (f", row-major below {narrow} rows" if narrow else ""))
+                + (f", fp32 from {w.wide_rows} rows" if w.wide_rows else "")
+                + (f", row-major below {w.narrow_rows} rows" if w.narrow_rows else "")
+                + (f", int4 codes below {w.int4_rows} rows" if w.int4_rows else ""))
 
 
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # Llama-family: one input each
@@ -94,12 +108,13 @@ SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # Llama-f
 class SharedInput:
     """Sibling linears of one input as one packed matmul. Not a module: its FusedProjections are."""
 
-    def __init__(self, linears: list[nn.Linear], wide_rows: int = 0, narrow_rows: int = 0):
+    def __init__(self, linears: list[nn.Linear], wide_rows: int = 0, narrow_rows: int = 0,
+                 int4_rows: int = 0):
         self.sizes = [lin.out_features for lin in linears]
         biases = [lin.bias for lin in linears]
         bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
         self.weight_packed = PackedWeight(torch.cat([lin.weight.detach() for lin in linears]), bias,
-                                          wide_rows, narrow_rows)
+                                          wide_rows, narrow_rows, int4_rows)
         self._state: tuple = (None, (), frozenset())  # (input, its outputs, siblings served)
 
     def project(self, x: torch.Tensor, i: int) -> torch.Tensor:
@@ -132,20 +147,21 @@ class FusedProjection(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fused={self.index}"
 
 
-def pack_linears(model: nn.Module, wide_rows: int = 0, narrow_rows: int = 0) -> int:
+def pack_linears(model: nn.Module, wide_rows: int = 0, narrow_rows: int = 0, int4_rows: int = 0) -> int:
     """Swap every CPU nn.Linear of `model` for a PackedLinear in place (siblings of one input for
     FusedProjections); returns how many. A tied lm_head gets its own packed copy (the embedding keeps
     its weight). wide_rows > 0: bf16 weights also packed in fp32 for inputs of that many rows or more
-    (PackedWeight); narrow_rows > 0: the row-major weight kept for inputs of fewer rows. No-op
-    without oneDNN."""
+    (PackedWeight); narrow_rows > 0: the row-major weight kept for inputs of fewer rows; int4_rows >
+    0: weights on a 4-bit grid also held as codes for inputs of fewer rows. No-op without oneDNN."""
     if not packing_available():
         return 0
-    fused = fuse_siblings(model, wide_rows, narrow_rows)
+    fused = fuse_siblings(model, wide_rows, narrow_rows, int4_rows)
     return fused + swap_linears(
-        model, lambda lin: PackedLinear(lin, wide_rows, narrow_rows) if lin.weight.device.type == "cpu" else lin)
+        model, lambda lin: PackedLinear(lin, wide_rows, narrow_rows, int4_rows)
+        if lin.weight.device.type == "cpu" else lin)
 
 
-def fuse_siblings(model: nn.Module, wide_rows: int = 0, narrow_rows: int = 0) -> int:
+def fuse_siblings(model: nn.Module, wide_rows: int = 0, narrow_rows: int = 0, int4_rows: int = 0) -> int:
     """Each module holding a SIBLINGS group as CPU nn.Linears of one dtype and in_features gets
     FusedProjections in their place; returns how many linears were replaced."""
     fused = 0
@@ -156,11 +172,23 @@ def fuse_siblings(model: nn.Module, wide_rows: int = 0, narrow_rows: int = 0) ->
                 continue
             if len({(lin.in_features, lin.weight.dtype, lin.bias is None) for lin in linears}) != 1:
                 continue
-            shared = SharedInput(linears, wide_rows, narrow_rows)
+            shared = SharedInput(linears, wide_rows, narrow_rows, int4_rows)
             for i, (name, lin) in enumerate(zip(names, linears)):
                 setattr(parent, name, FusedProjection(shared, i, lin.in_features))
             fused += len(names)
     return fused
+
+
+def int4_weight_count(model: nn.Module) -> int:
+    """How many of `model`'s packed weights hold 4-bit codes (a fused group counts once)."""
+    weights = {id(w): w for m in model.modules() for w in [_packed_weight(m)] if w is not None}
+    return sum(w.int4 is not None for w in weights.values())
+
+
+def _packed_weight(module: nn.Module) -> PackedWeight | None:
+    if isinstance(module, PackedLinear):
+        return module.weight_packed
+    return module.shared.weight_packed if isinstance(module, FusedProjection) else None
 
 
 def swap_linears(model: nn.Module, swap) -> int:

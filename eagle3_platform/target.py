@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from eagle3_platform.compute import kv_cache_dtype, narrow_matmul_rows, resolve_dtype, wide_matmul_rows
+from eagle3_platform.compute import (int4_matmul_rows, kv_cache_dtype, narrow_matmul_rows, resolve_dtype,
+                                     wide_matmul_rows)
 from eagle3_platform.paths import cache_root  # noqa: F401  (re-exported: callers use target.cache_root)
 from eagle3_platform.records import sha256_file
 
@@ -103,7 +104,8 @@ def load_target(path: str | Path, dtype: str = "float32", device: str = "cpu", p
     row-major kernels, for A/B); meta['packed_linears'] counts them, and meta['wide_fp32_rows'] says
     from how many rows a bf16 matmul runs on fp32 weights (compute.wide_matmul_rows; 0 = never),
     meta['rowmajor_rows'] below how many rows a matmul runs on the row-major weights
-    (compute.narrow_matmul_rows; 0 = never)."""
+    (compute.narrow_matmul_rows; 0 = never), meta['int4_rows'] below how many on the 4-bit codes of
+    the meta['int4_linears'] weights that lie on such a grid (compute.int4_matmul_rows; 0 = never)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     setting, dtype = dtype, resolve_dtype(dtype, device)
@@ -111,20 +113,24 @@ def load_target(path: str | Path, dtype: str = "float32", device: str = "cpu", p
     if not (path / META_FILE).exists():
         raise FileNotFoundError(f"{path} is not a prepared target; run `eagle3 prepare-target`")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
-    packed, wide, narrow = 0, 0, 0
+    packed, wide, narrow, int4, int4_linears = 0, 0, 0, 0, 0
     if device == "cpu":
         from eagle3_platform.attention import use_grouped_decode
-        from eagle3_platform.packed_linear import pack_linears
+        from eagle3_platform.packed_linear import int4_weight_count, pack_linears
         use_grouped_decode(model)
-        wide = wide_matmul_rows(setting, device) if pack else 0
-        narrow = narrow_matmul_rows(setting, device) if pack else 0
-        packed = pack_linears(model, wide, narrow) if pack else 0
+        if pack:
+            wide, narrow = wide_matmul_rows(setting, device), narrow_matmul_rows(setting, device)
+            int4 = int4_matmul_rows(setting, device)
+            packed = pack_linears(model, wide, narrow, int4)
+            int4_linears = int4_weight_count(model)
+            int4 = int4 if int4_linears else 0
     tok = AutoTokenizer.from_pretrained(path)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return Target(model=model, tokenizer=tok,
                   meta={**read_meta(path), "dtype": dtype, "kv_cache_dtype": kv_cache_dtype(setting, device),
-                        "packed_linears": packed, "wide_fp32_rows": wide, "rowmajor_rows": narrow})
+                        "packed_linears": packed, "wide_fp32_rows": wide, "rowmajor_rows": narrow,
+                        "int4_rows": int4, "int4_linears": int4_linears})
 
 
 def _describe(path: Path, model: str, source_hash: str) -> dict:

@@ -2,7 +2,8 @@
 
 Methods, interleaved per prompt within every repeat so machine-load drift hits all of them alike:
   hf_greedy         transformers `generate`, greedy, in --dtype, on the target as load_target gives it
-                    (linear layers oneDNN-packed on CPU, as every engine row runs): the reference
+                    (linear layers oneDNN-packed on CPU, as every engine row runs; under `auto` without
+                    native bf16, a 4-bit target's narrow matmuls on its codes): the reference
   hf_greedy_stock   the same on the stock model (torch's row-major linear kernels): what `generate`
                     gives a user who loads the checkpoint with transformers alone
   hf_greedy_bf16    the same in bf16 when --dtype is not bf16 and the CPU has it (strongest plain baseline)
@@ -19,7 +20,8 @@ Reported per method: median over repeats of (Σ tokens / Σ seconds over the pro
 the per-repeat ratios vs hf_greedy and vs the fastest plain row, τ (engine), the cost of one step in
 plain decode steps (engine rows; prefill excluded), greedy-output mismatches vs hf_greedy, and the token
 agreement: the share of emitted tokens that plain greedy decoding in the same dtype emits given the same
-prefix (exactly 1.0 in fp32; in bf16 a near-tie may flip when a verify forward has another shape).
+prefix (exactly 1.0 in fp32; in bf16, or on 4-bit codes, a near-tie may flip when a verify forward
+has another shape).
 
   python scripts/bench_decode.py --target /tmp/t/smol --draft EXPORT_DIR --out bench.json
 """
@@ -307,11 +309,14 @@ def main(argv=None) -> int:
     figures = bench(methods, prompts, args, target)
     result = {"figures": figures, "config": {**vars(args), "n_prompts": len(prompts),
                                              "dtype": target.meta["dtype"],
+                                             "int4_rows": target.meta.get("int4_rows", 0),
                                              "torch_threads": torch.get_num_threads(),
                                              "target_threads": args.target_threads,
                                              "loadavg": os.getloadavg()},
               "command": " ".join(sys.argv)}
-    print(f"dtype {target.meta['dtype']}, {torch.get_num_threads()} threads (target: "
+    int4 = target.meta.get("int4_rows", 0)
+    print(f"dtype {target.meta['dtype']}" + (f" (matmuls below {int4} rows on the 4-bit codes)" if int4 else "")
+          + f", {torch.get_num_threads()} threads (target: "
           f"{args.target_threads if args.target_threads is not None else 'same'}), load {os.getloadavg()[0]:.2f}")
     for m, f in figures.items():
         print(f"{m:18s} tok/s {f['tok_s_median']:7.2f}  x{f['ratio_vs_hf_greedy_median']:.2f} vs hf_greedy"

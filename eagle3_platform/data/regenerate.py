@@ -244,7 +244,7 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
     Nothing written (every record rejected, or an empty input) is a failed stage: ValueError.
     """
     from eagle3_platform.cli_args import distinct_paths
-    from eagle3_platform.compute import resolve_dtype
+    from eagle3_platform.compute import int4_matmul_rows, resolve_dtype
     from eagle3_platform.target import read_meta
 
     cfg = resolve_config(cfg)
@@ -257,10 +257,12 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
     if scanner is None:
         from eagle3_platform.data.pii import get_scanner
         scanner = get_scanner()
-    # with the rest: the resume key. The dtype resolved ('auto' may mean bf16 here, fp32 elsewhere);
-    # an endpoint's dtype is the server's business.
+    # with the rest: the resume key. The dtype resolved ('auto' may mean bf16 here, fp32 elsewhere, and
+    # fp32 with narrow matmuls on a 4-bit target's codes); an endpoint's dtype is the server's business.
     gen = {"mode": "endpoint" if endpoint else "local", **_settings(cfg), "weights_hash": meta.get("weights_hash", ""),
            "dtype": None if endpoint else resolve_dtype(cfg.dtype)}
+    if not endpoint and cfg.packed_linears and int4_matmul_rows(cfg.dtype):
+        gen["int4_rows"] = int4_matmul_rows(cfg.dtype)  # only where used: older outputs keep their key
     if endpoint:
         gen["endpoint"] = _public_url(endpoint)
     check_resume_key(out_path, rejected_path, resume_key(meta, tok, gen), restart)

@@ -1,0 +1,167 @@
+"""Few-row matmuls on a 4-bit target's own codes (int4_weights.py) and where they are used."""
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from eagle3_platform import compute
+from eagle3_platform.int4_weights import GROUP, LEVELS, grid_codes, int4_available, int4_matmul
+from eagle3_platform.packed_linear import PackedLinear, fuse_siblings, int4_weight_count, packing_available
+
+pytestmark = pytest.mark.skipif(not (int4_available() and packing_available()),
+                                reason="torch without its int4 CPU kernel or oneDNN")
+BF16_TOL = dict(rtol=2e-2, atol=2e-2)  # the codes' path rounds inputs, scales and outputs to bf16
+
+
+def on_grid(weight: torch.Tensor) -> torch.Tensor:
+    """The weight quantized as Q4_1 does it (per GROUP along in_features: lo + d·q, q in 0..LEVELS)
+    and dequantized: a weight that lies on the grid, as a GGUF Q4_1 checkpoint's do."""
+    out_f, in_f = weight.shape
+    w = weight.detach().float().reshape(out_f, in_f // GROUP, GROUP)
+    lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    d = (hi - lo) / LEVELS
+    return (torch.round((w - lo) / d).clamp(0, LEVELS) * d + lo).reshape(out_f, in_f)
+
+
+def test_codes_rebuild_a_grid_weight_within_bf16_rounding():
+    torch.manual_seed(0)
+    w = on_grid(torch.randn(96, 128) / 10)  # [out, in]
+    codes = grid_codes(w)
+    assert codes is not None and codes.out_features == 96
+    eye = torch.eye(128)  # row i of the product is column i of W: every code, scale and zero read back
+    torch.testing.assert_close(int4_matmul(eye, codes), w.T, rtol=0, atol=w.abs().max().item() * 2 ** -7)
+    x = torch.randn(2, 3, 128)  # [..., in] -> [..., out], in x's dtype
+    out = int4_matmul(x, codes)
+    assert out.shape == (2, 3, 96) and out.dtype is torch.float32
+    torch.testing.assert_close(out, x @ w.T, **BF16_TOL)
+
+
+def test_constant_groups_are_on_the_grid():
+    w = torch.full((16, 64), 0.25)
+    w[:, GROUP:] = on_grid(torch.randn(16, GROUP))
+    codes = grid_codes(w)
+    assert codes is not None
+    torch.testing.assert_close(int4_matmul(torch.eye(64), codes), w.T, rtol=0, atol=w.abs().max().item() * 2 ** -7)
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (64, 48), (24, 64)])
+def test_weights_off_the_grid_or_of_other_shapes_get_no_codes(shape):
+    """An fp32 checkpoint is not quantized behind the user's back; nor is a shape the kernel refuses
+    (in_features not a multiple of GROUP, out_features not a multiple of 16)."""
+    torch.manual_seed(0)
+    w = torch.randn(shape)
+    assert grid_codes(w) is None
+    if shape[1] % GROUP == 0 and shape[0] % 16 == 0:
+        w = on_grid(w)
+        assert grid_codes(w) is not None
+        w[3, 5] += (w[3].max() - w[3].min()) / LEVELS / 3  # one value a third of a step off
+        assert grid_codes(w) is None
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_narrow_inputs_multiply_on_the_codes_and_wide_ones_on_the_packed_weight(monkeypatch, bias):
+    import eagle3_platform.packed_linear as pl
+
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 96, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(on_grid(lin.weight))
+    layer = PackedLinear(lin, narrow_rows=4, int4_rows=9)
+    assert layer.weight_packed.rowmajor is None  # the codes serve every row the row-major copy would
+    seen = []
+    for name in ("packed_matmul", "int4_matmul"):
+        real = getattr(pl, name)
+        monkeypatch.setattr(pl, name, lambda *a, real=real, name=name: seen.append(name) or real(*a))
+    for shape, path in (((1, 64), "int4_matmul"), ((2, 4, 64), "int4_matmul"), ((9, 64), "packed_matmul")):
+        x = torch.randn(shape)
+        with torch.inference_mode():
+            out = layer(x)
+        assert seen == [path]
+        seen.clear()
+        torch.testing.assert_close(out, lin(x), **BF16_TOL)
+    assert "int4 codes below 9 rows" in repr(layer)
+
+
+def test_off_grid_weights_keep_the_fp32_kernels():
+    torch.manual_seed(0)
+    layer = PackedLinear(nn.Linear(64, 96, bias=False), narrow_rows=4, int4_rows=9)
+    w = layer.weight_packed
+    assert w.int4 is None and w.int4_rows == 0 and w.narrow_rows == 4 and w.rowmajor is not None
+
+
+def test_fused_siblings_hold_one_set_of_codes():
+    torch.manual_seed(0)
+    attn = nn.Module()
+    attn.q_proj, attn.k_proj, attn.v_proj = (nn.Linear(64, n, bias=False) for n in (64, 32, 32))
+    for lin in (attn.q_proj, attn.k_proj, attn.v_proj):
+        with torch.no_grad():
+            lin.weight.copy_(on_grid(lin.weight))
+    x = torch.randn(1, 64)
+    want = [lin(x) for lin in (attn.q_proj, attn.k_proj, attn.v_proj)]
+    assert fuse_siblings(attn, int4_rows=5) == 3 and int4_weight_count(attn) == 1
+    with torch.inference_mode():
+        for got, ref in zip((attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)), want):
+            torch.testing.assert_close(got, ref, **BF16_TOL)
+
+
+def test_auto_uses_codes_only_where_decode_runs_in_fp32(monkeypatch):
+    monkeypatch.setattr(compute, "int4_probe_rows", lambda: 13)
+    monkeypatch.setattr(compute, "cpu_flags", lambda: frozenset({"avx512f"}))
+    assert compute.int4_matmul_rows("auto") == 13
+    assert compute.int4_matmul_rows("float32") == compute.int4_matmul_rows("bfloat16") == 0  # as asked
+    assert compute.int4_matmul_rows("auto", "cuda") == 0
+    monkeypatch.setattr(compute, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    assert compute.int4_matmul_rows("auto") == 0  # bf16 decode: the model's weights are bf16 already
+
+
+def test_int4_probe_answers_one_past_a_probed_row_count():
+    assert compute._measure_int4_rows(reps=1) in {0, *(r + 1 for r in compute.INT4_PROBE_ROWS)}
+
+
+@pytest.fixture
+def grid_target_dir(tiny_target_dir, tmp_path):
+    """The tiny target with its layers' projections on a Q4_1 grid (the embedding left off it)."""
+    out = tmp_path / "grid-target"
+    shutil.copytree(tiny_target_dir, out)
+    (weights,) = out.glob("*.safetensors")
+    sd = load_file(weights)
+    sd = {k: on_grid(v) if k.endswith("proj.weight") else v for k, v in sd.items()}
+    save_file(sd, weights, metadata={"format": "pt"})
+    return out
+
+
+def test_target_on_a_grid_decodes_on_its_codes_under_auto(grid_target_dir, monkeypatch):
+    """load_target records how many weights hold codes and below how many rows they serve; a decode
+    step's logits stay within bf16 rounding of the fp32 kernels', and greedy decoding on the codes
+    agrees with fp32 greedy decoding (reported, not exact: another rounding)."""
+    from eagle3_platform.spec.config import PRESETS
+    from eagle3_platform.spec.engine import SpecEngine
+    from eagle3_platform.target import load_target
+
+    monkeypatch.setattr(compute, "cpu_flags", lambda: frozenset({"avx512f"}))
+    monkeypatch.setattr(compute, "rowmajor_matmul_rows", lambda dtype: 3)
+    monkeypatch.setattr(compute, "int4_probe_rows", lambda: 9)
+    codes, fp32 = load_target(grid_target_dir, dtype="auto"), load_target(grid_target_dir, dtype="float32")
+    layers = codes.model.config.num_hidden_layers
+    assert codes.meta["int4_rows"] == 9 and codes.meta["int4_linears"] == 4 * layers  # qkv, o, gate/up, down
+    assert fp32.meta["int4_rows"] == fp32.meta["int4_linears"] == 0
+    ids = torch.randint(5, codes.model.config.vocab_size, (5, 8), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():  # one 8-token sequence at a time: 8 rows per matmul, the codes' side of 9
+        got = torch.cat([codes.model(row[None]).logits for row in ids])  # [5, 8, V]
+        want = torch.cat([fp32.model(row[None]).logits for row in ids])
+    torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-2)
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.9  # a near-tie may flip
+    out, _ = SpecEngine(codes, None, PRESETS["baseline"]).generate(ids[0].tolist(), 8)  # decode steps run
+    assert len(out) == 8
+
+
+def test_off_grid_target_records_no_codes(tiny_target_dir, monkeypatch):
+    from eagle3_platform.target import load_target
+
+    monkeypatch.setattr(compute, "cpu_flags", lambda: frozenset({"avx512f"}))
+    monkeypatch.setattr(compute, "rowmajor_matmul_rows", lambda dtype: 3)
+    monkeypatch.setattr(compute, "int4_probe_rows", lambda: 9)
+    t = load_target(tiny_target_dir, dtype="auto")
+    assert t.meta["int4_linears"] == 0 and t.meta["int4_rows"] == 0 and t.meta["rowmajor_rows"] == 3
