@@ -60,6 +60,7 @@ ROWMAJOR_PROBE_ROWS = (1, 2, 3, 4, 6, 8)
 # SmolLM2's MLP shapes, 2 threads, Intel Xeon without avx512_bf16 (~/.cache/eagle3-runs/s27/): codes
 # 2.7x faster than fp32 at 1 row, 3.1x at 4, 2.2x at 8, ~even at 32.
 INT4_PROBE_ROWS = (4, 8, 12, 16, 24, 32)
+INT4_PROBE_COPIES = 6  # of the MLP's two weights: with hot weights fp32 looks 1.5-2x better than in a model
 
 
 @functools.lru_cache(maxsize=1)
@@ -261,29 +262,32 @@ def _measure_int4_rows(reps: int = 5) -> int:
     ([M,576]x[576,3072], [M,1536]x[1536,576], weights on a random 4-bit grid) run faster on their
     codes than in fp32 (the faster of row-major and packed), best of `reps` interleaved; 0 where fp32
     wins at the first. (The kernel's cost steps every 4 rows: winning at 12 means winning at 9-12.)"""
-    from eagle3_platform.int4_weights import GROUP, LEVELS, grid_codes, int4_matmul
+    from eagle3_platform.int4_weights import GROUP, LEVELS, grid_codes, int4_available, int4_matmul
     from eagle3_platform.packed_linear import pack_weight, packed_matmul, packing_available
 
+    if not int4_available():
+        return 0
     gen = torch.Generator().manual_seed(0)
-    weights = []
-    for o, i in ((3072, 576), (576, 1536)):
+    weights = []  # copies enough to leave the caches, as a model's 30 layers do (fp32: 64 MB)
+    for o, i in ((3072, 576), (576, 1536)) * INT4_PROBE_COPIES:
         q = torch.randint(0, LEVELS + 1, (o, i // GROUP, GROUP), generator=gen).float()
         q[..., 0], q[..., 1] = 0, LEVELS  # each group spans the grid, as Q4_1's do
-        d, lo = torch.rand(o, i // GROUP, 1, generator=gen) / 100, -torch.rand(o, i // GROUP, 1, generator=gen) / 10
+        d = (1 + torch.rand(o, i // GROUP, 1, generator=gen)) / 100  # [o, in/G, 1] steps
+        lo = -8 * d * (1 + torch.rand(o, i // GROUP, 1, generator=gen) / 10)  # groups about 0
         weights.append((q * d + lo).reshape(o, i))
     codes = [grid_codes(w) for w in weights]
-    if None in codes:  # no int4 kernel in this torch
-        return 0
+    if None in codes:
+        raise AssertionError("the int4 probe's weights are off the grid")
     packed = [pack_weight(w) for w in weights] if packing_available() else None
     won = 0
     for rows in INT4_PROBE_ROWS:
         xs = [torch.randn(rows, w.shape[1], generator=gen) for w in weights]
         calls = {
-            "int4": lambda: [int4_matmul(x, c) for _ in range(4) for x, c in zip(xs, codes)],
-            "rowmajor": lambda: [torch.nn.functional.linear(x, w) for _ in range(4) for x, w in zip(xs, weights)],
+            "int4": lambda: [int4_matmul(x, c) for x, c in zip(xs, codes)],
+            "rowmajor": lambda: [torch.nn.functional.linear(x, w) for x, w in zip(xs, weights)],
         }
         if packed:
-            calls["packed"] = lambda: [packed_matmul(x, p, None) for _ in range(4) for x, p in zip(xs, packed)]
+            calls["packed"] = lambda: [packed_matmul(x, p, None) for x, p in zip(xs, packed)]
         best = _best_times(calls, reps)
         if min(t for k, t in best.items() if k != "int4") <= best["int4"]:
             break

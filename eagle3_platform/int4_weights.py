@@ -23,9 +23,10 @@ import torch
 
 GROUP = 32   # Q4_0/Q4_1's block along in_features; one of the kernel's group sizes
 LEVELS = 15  # codes 0..15
-# How far from the grid a value may lie, in steps d: a GGUF dequantized in fp32 lands on it to a few
-# ulps (SmolLM2's exactly), an fp32 or bf16 checkpoint's weights do not (32 values per group).
-GRID_TOLERANCE = 1e-3
+# How far from the grid a value may lie: GRID_TOLERANCE steps d, plus fp32 rounding of the group's
+# magnitude (GRID_RELATIVE: a few ulps, for groups whose step is tiny beside their offset). A GGUF
+# dequantized in fp32 lands on it (SmolLM2's exactly); an fp32 or bf16 checkpoint's weights do not.
+GRID_TOLERANCE, GRID_RELATIVE = 1e-3, 1e-6
 N_MULTIPLE = 16  # out_features the kernel's layout takes
 
 
@@ -52,7 +53,8 @@ def grid_codes(weight: torch.Tensor) -> Int4Weight | None:
     lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)  # [out, in/G, 1]
     d = (hi - lo) / LEVELS
     q = torch.round((w - lo) / torch.where(d > 0, d, torch.ones_like(d))).clamp_(0, LEVELS)
-    if ((q * d + lo - w).abs() > GRID_TOLERANCE * d).any():  # on the grid or nothing: never quantize
+    tolerance = GRID_TOLERANCE * d + GRID_RELATIVE * w.abs().amax(-1, keepdim=True)
+    if ((q * d + lo - w).abs() > tolerance).any():  # on the grid or nothing: never quantize a model
         return None
     packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).reshape(out_f, in_f), 2)
     # the kernel rebuilds (q - 8)·scale + zero, so zero = lo + 8·d
