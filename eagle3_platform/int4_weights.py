@@ -62,6 +62,18 @@ def grid_codes(weight: torch.Tensor) -> Int4Weight | None:
     return Int4Weight(packed, scales_zeros.transpose(0, 1).contiguous().to(torch.bfloat16), out_f)
 
 
+def round_to_grid(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> the nearest values on a Q4_1 grid (per GROUP along in_features, lo + d·q with
+    d = (max - min)/LEVELS): round-to-nearest 4-bit quantization, dequantized, in fp32. Only for the
+    draft head, on request (draft/quant.int4_head): the target's weights are never rounded."""
+    out_f, in_f = weight.shape
+    w = weight.detach().float().reshape(out_f, in_f // GROUP, GROUP)
+    lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)  # [out, in/G, 1]
+    d = (hi - lo) / LEVELS
+    q = torch.round((w - lo) / torch.where(d > 0, d, torch.ones_like(d))).clamp(0, LEVELS)
+    return (q * d + lo).reshape(out_f, in_f)
+
+
 def int4_matmul(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
     """[..., in] -> [..., out] = x @ Wᵀ in x's dtype, with bf16 rounding of x, the scales and the
     output (the module docstring); accumulation in fp32."""

@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from eagle3_platform.draft.quant import INT8_MAX_ROWS, Int8Linear, int8_head, packed_head
-from eagle3_platform.packed_linear import FusedProjection, PackedLinear, packing_available
+from eagle3_platform.draft.quant import INT8_MAX_ROWS, Int8Linear, int4_head, int8_head, packed_head
+from eagle3_platform.int4_weights import int4_available
+from eagle3_platform.packed_linear import FusedProjection, PackedLinear, int4_weight_count, packing_available
 from eagle3_platform.spec.config import PRESETS, SpecConfig
 from eagle3_platform.spec.engine import SpecEngine
 from eagle3_platform.testing.spec import VariedTargetConfig, random_draft, varied_target
@@ -72,7 +73,7 @@ def test_layers_the_kernel_cannot_take_stay_dense():
 
 def test_head_weights_setting_is_validated():
     with pytest.raises(ValueError, match="head_weights"):
-        SpecConfig(head_weights="int4")
+        SpecConfig(head_weights="int3")
 
 
 @pytest.mark.skipif(not packing_available(), reason="torch built without oneDNN")
@@ -90,6 +91,47 @@ def test_packed_head_is_a_copy_with_the_same_logits():
     with torch.no_grad():
         torch.testing.assert_close(packed.logits(h), draft.logits(h), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(packed.project(aux), draft.project(aux), atol=1e-5, rtol=1e-5)
+
+
+needs_int4 = pytest.mark.skipif(not (packing_available() and int4_available()),
+                                reason="torch without oneDNN or its int4 CPU kernel")
+
+
+@needs_int4
+def test_int4_head_is_a_rounded_copy_drafting_few_rows_on_its_codes():
+    target = varied_target(None, VariedTargetConfig(vocab_size=96))
+    draft = random_draft(target, 64)
+    before = {k: v.clone() for k, v in draft.state_dict().items()}
+    rounded = int4_head(draft, int4_rows=5)
+    # lm_head, fc, o_proj, down_proj, q/k/v (one fused weight), gate/up (one)
+    assert int4_weight_count(rounded) == 6
+    assert rounded.lm_head.weight_packed.int4_rows == 5
+    assert all(torch.equal(v, draft.state_dict()[k]) for k, v in before.items())  # the original untouched
+    assert rounded.embed_tokens is draft.embed_tokens and rounded.d2t is draft.d2t
+    h = torch.randn(1, 1, draft.cfg.hidden_size)
+    with torch.no_grad():  # the same head up to 4-bit rounding of its weights (and bf16 on the codes)
+        want = draft.logits(h)
+        torch.testing.assert_close(rounded.logits(h), want, rtol=0, atol=0.1 * want.abs().max().item())
+    with pytest.raises(ValueError, match="fp32 head"):
+        int4_head(draft.to(torch.bfloat16), int4_rows=5)
+
+
+@pytest.mark.parametrize("preset", ["chain", "tree"])
+def test_engine_is_lossless_with_the_int4_head(tiny_target, preset, monkeypatch):
+    """fp32 target: only the head is rounded, the target verifies, so output equals plain greedy."""
+    if not (packing_available() and int4_available()):
+        pytest.skip("torch without oneDNN or its int4 CPU kernel")
+    import eagle3_platform.spec.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "int4_probe_rows", lambda: 9)  # the machine's probe, not measured here
+    target = varied_target(tiny_target)
+    draft = random_draft(target, 64)
+    ids = target.tokenizer("a b c d e f")["input_ids"]
+    plain, _ = SpecEngine(target, None, PRESETS["baseline"]).generate(ids, 16)
+    engine = SpecEngine(target, draft, replace(PRESETS[preset], head_weights="int4"))
+    assert int4_weight_count(engine.draft) > 0 and int4_weight_count(target.model) == 0
+    out, stats = engine.generate(ids, 16)
+    assert out == plain and stats["verify_steps"] >= 1
 
 
 @pytest.mark.parametrize("preset", ["chain", "tree"])

@@ -15,6 +15,10 @@ decode steps, 0.95x -> 1.01x of HF greedy.
 (packed_linear.py). With the target's 270 MB streaming between draft forwards, it reads the head's
 lm_head faster than the int8 GEMV does (1 thread, weights out of cache: 700 vs 930 us at 1 row, 793
 vs 1598 us at 8 rows); int8 stays selectable (`head_weights="int8"`).
+
+`int4_head` (`head_weights="int4"`, an fp32 engine only): the head's linears rounded to a 4-bit grid
+(Q4_1's, per 32 inputs) and packed with their codes (int4_weights.py), so a draft forward of a few rows
+reads 1/8 of the fp32 bytes; wider inputs multiply on the rounded weights. Only the head is rounded.
 """
 from __future__ import annotations
 
@@ -71,6 +75,30 @@ def packed_head(draft: nn.Module, narrow_rows: int = 0) -> nn.Module:
 
     copied = _head_copy(draft)
     pack_linears(copied, narrow_rows=narrow_rows)
+    return copied
+
+
+def int4_head(draft: nn.Module, int4_rows: int, narrow_rows: int = 0) -> nn.Module:
+    """A copy of the fp32 head whose linears lie on a 4-bit grid (int4_weights.round_to_grid), packed
+    with their codes for inputs of fewer than int4_rows rows (narrow_rows: see packed_head); `draft`
+    left as it was. Lossy for the head alone: the target still verifies every drafted token."""
+    from eagle3_platform.int4_weights import GROUP, N_MULTIPLE, round_to_grid
+    from eagle3_platform.packed_linear import pack_linears
+
+    if next(draft.parameters()).dtype != torch.float32:
+        raise ValueError("int4 head weights are rounded from an fp32 head: run the engine in float32 "
+                         "(or choose head_weights packed)")
+
+    def rounded(lin: nn.Linear) -> nn.Linear:
+        if lin.in_features % GROUP or lin.out_features % N_MULTIPLE:
+            return lin  # a shape the kernel cannot take keeps its weights
+        new = nn.Linear(lin.in_features, lin.out_features, bias=lin.bias is not None)
+        new.load_state_dict({"weight": round_to_grid(lin.weight),
+                             **({"bias": lin.bias.detach()} if lin.bias is not None else {})})
+        return new.requires_grad_(False)
+
+    copied = _head_copy(draft, rounded)
+    pack_linears(copied, narrow_rows=narrow_rows, int4_rows=int4_rows)
     return copied
 
 

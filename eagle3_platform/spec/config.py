@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-HEAD_WEIGHTS = ("int8", "packed", "native")
+HEAD_WEIGHTS = ("int8", "int4", "packed", "native")
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,8 @@ class SpecConfig:
     lookup_ngram: int = 3
     # The head's weights in the embedded CPU engine (draft/quant.py; not an SGLang flag): "int8" reads
     # half the bytes per draft forward (a batch-1 draft step is bound by weight reads), "packed" keeps
-    # the head's dtype on oneDNN's blocked layout (packed_linear.py), "native" keeps it as trained.
+    # the head's dtype on oneDNN's blocked layout (packed_linear.py), "int4" rounds an fp32 head to a
+    # 4-bit grid and drafts a few rows on its codes (draft/quant.int4_head), "native" keeps it as trained.
     # Output is lossless in every case: only the drafted tokens may differ. "packed" is the default:
     # with the target packed too, it drafts the fastest (demo head, bf16: a step 1.18 vs 1.21 plain
     # decode steps with int8; 1.35x vs 1.32x HF greedy, the same run).

@@ -23,9 +23,9 @@ from typing import Iterator, Sequence
 import torch
 
 from eagle3_platform.attention import GROUPED_DECODE
-from eagle3_platform.compute import threads
+from eagle3_platform.compute import int4_probe_rows, threads
 from eagle3_platform.data.chat import eos_token_ids
-from eagle3_platform.draft.quant import int8_head, packed_head
+from eagle3_platform.draft.quant import int4_head, int8_head, packed_head
 from eagle3_platform.features.capture import forward_capture
 from eagle3_platform.spec.batch import Batch
 from eagle3_platform.spec.config import PRESETS, SpecConfig
@@ -49,6 +49,8 @@ class SpecEngine:
             self.draft = self.draft.cast_parameters(self.dtype)
             if cfg.head_weights == "int8":  # a copy: engines with other settings may share `draft`
                 self.draft = int8_head(self.draft)
+            elif cfg.head_weights == "int4":  # codes below the rows the machine's probe finds worth it
+                self.draft = int4_head(self.draft, int4_probe_rows(), target.meta.get("rowmajor_rows", 0))
             elif cfg.head_weights == "packed":
                 # few rows on the row-major weights where the target's are (load_target decides)
                 self.draft = packed_head(self.draft, target.meta.get("rowmajor_rows", 0))
