@@ -134,6 +134,21 @@ def test_engine_is_lossless_with_the_int4_head(tiny_target, preset, monkeypatch)
     assert out == plain and stats["verify_steps"] >= 1
 
 
+def test_auto_head_weights_follow_the_target(tiny_target, monkeypatch):
+    """int4 where the target decodes on 4-bit codes (its meta says below how many rows), else packed."""
+    import eagle3_platform.spec.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "int4_probe_rows", lambda: pytest.fail("the target's rows come first"))
+    target = varied_target(tiny_target)
+    draft = random_draft(target, 64)
+    assert SpecEngine(target, draft, PRESETS["chain"]).head_weights == "packed"
+    if not (packing_available() and int4_available()):
+        return
+    on_codes = replace(target, meta={**target.meta, "int4_rows": 9})
+    engine = SpecEngine(on_codes, draft, PRESETS["chain"])
+    assert engine.head_weights == "int4" and engine.draft.lm_head.weight_packed.int4_rows == 9
+
+
 @pytest.mark.parametrize("preset", ["chain", "tree"])
 def test_engine_is_lossless_with_the_int8_the_packed_and_the_native_head(tiny_target, preset):
     """fp32 target: output equals plain greedy decoding with any head; the int8 engine's copy of the

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-HEAD_WEIGHTS = ("int8", "int4", "packed", "native")
+HEAD_WEIGHTS = ("auto", "int8", "int4", "packed", "native")
 
 
 @dataclass(frozen=True)
@@ -33,10 +33,13 @@ class SpecConfig:
     # half the bytes per draft forward (a batch-1 draft step is bound by weight reads), "packed" keeps
     # the head's dtype on oneDNN's blocked layout (packed_linear.py), "int4" rounds an fp32 head to a
     # 4-bit grid and drafts a few rows on its codes (draft/quant.int4_head), "native" keeps it as trained.
-    # Output is lossless in every case: only the drafted tokens may differ. "packed" is the default:
-    # with the target packed too, it drafts the fastest (demo head, bf16: a step 1.18 vs 1.21 plain
-    # decode steps with int8; 1.35x vs 1.32x HF greedy, the same run).
-    head_weights: str = "packed"
+    # Output is lossless in every case: only the drafted tokens may differ. "auto" (the default) is
+    # "int4" where the target itself decodes on 4-bit codes (load_target's int4_rows; an fp32 engine):
+    # demo head, Intel box, bench_decode: a chain_adaptive step 1.23 -> 1.13 plain steps, τ unchanged,
+    # 28.2 -> 30.7 tok/s (+ prompt lookup 29.4 -> 32.3); else "packed": with the target packed too, it
+    # drafts the fastest (demo head, bf16: a step 1.18 vs 1.21 plain decode steps with int8; 1.35x vs
+    # 1.32x HF greedy, the same run).
+    head_weights: str = "auto"
 
     def __post_init__(self):
         if self.num_steps < 0 or self.eagle_topk < 0 or self.num_draft_tokens < 1:

@@ -47,13 +47,16 @@ class SpecEngine:
         self.draft = draft if cfg.speculative else None
         if isinstance(self.draft, torch.nn.Module):  # the head computes in the target's dtype (bf16 on CPU)
             self.draft = self.draft.cast_parameters(self.dtype)
-            if cfg.head_weights == "int8":  # a copy: engines with other settings may share `draft`
+            self.head_weights = self.resolve_head_weights(cfg.head_weights)
+            narrow = target.meta.get("rowmajor_rows", 0)  # few rows on row-major weights where the target's are
+            if self.head_weights == "int8":  # a copy: engines with other settings may share `draft`
                 self.draft = int8_head(self.draft)
-            elif cfg.head_weights == "int4":  # codes below the rows the machine's probe finds worth it
-                self.draft = int4_head(self.draft, int4_probe_rows(), target.meta.get("rowmajor_rows", 0))
-            elif cfg.head_weights == "packed":
-                # few rows on the row-major weights where the target's are (load_target decides)
-                self.draft = packed_head(self.draft, target.meta.get("rowmajor_rows", 0))
+            elif self.head_weights == "int4":  # codes below the rows the target's, or the probe, take them
+                self.draft = int4_head(self.draft, target.meta.get("int4_rows") or int4_probe_rows(), narrow)
+            elif self.head_weights == "packed":
+                self.draft = packed_head(self.draft, narrow)
+        else:
+            self.head_weights = None
         # the head reads the layers it was trained on (its config), else the target's capture layers
         head_layers = getattr(getattr(draft, "cfg", None), "aux_layer_ids", None)
         self.layer_ids = list(head_layers or target.meta["capture_layer_ids"])
@@ -63,6 +66,12 @@ class SpecEngine:
         self.last_stats: dict = {}
 
     # ---- public API -------------------------------------------------------------------------------
+    def resolve_head_weights(self, setting: str) -> str:
+        """'auto' -> 'int4' where the target decodes on its 4-bit codes (an fp32 engine), else 'packed'."""
+        if setting != "auto":
+            return setting
+        return "int4" if self.target.meta.get("int4_rows") and self.dtype == torch.float32 else "packed"
+
     def batch(self) -> Batch:
         return Batch(self)
 
