@@ -49,10 +49,7 @@ def grid_codes(weight: torch.Tensor) -> Int4Weight | None:
     out_f, in_f = weight.shape
     if in_f % GROUP or out_f % N_MULTIPLE or not int4_available():
         return None
-    w = weight.detach().float().reshape(out_f, in_f // GROUP, GROUP)
-    lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)  # [out, in/G, 1]
-    d = (hi - lo) / LEVELS
-    q = torch.round((w - lo) / torch.where(d > 0, d, torch.ones_like(d))).clamp_(0, LEVELS)
+    w, q, d, lo = _nearest_codes(weight)
     tolerance = GRID_TOLERANCE * d + GRID_RELATIVE * w.abs().amax(-1, keepdim=True)
     if ((q * d + lo - w).abs() > tolerance).any():  # on the grid or nothing: never quantize a model
         return None
@@ -66,12 +63,19 @@ def round_to_grid(weight: torch.Tensor) -> torch.Tensor:
     """[out, in] -> the nearest values on a Q4_1 grid (per GROUP along in_features, lo + d·q with
     d = (max - min)/LEVELS): round-to-nearest 4-bit quantization, dequantized, in fp32. Only for the
     draft head, on request (draft/quant.int4_head): the target's weights are never rounded."""
+    _, q, d, lo = _nearest_codes(weight)
+    return (q * d + lo).reshape(weight.shape)
+
+
+def _nearest_codes(weight: torch.Tensor):
+    """[out, in] -> (w [out, in/G, G] fp32, its nearest codes q (float, 0..LEVELS) in the same shape,
+    steps d and offsets lo [out, in/G, 1]): Q4_1's grid, d = (max - min)/LEVELS per group."""
     out_f, in_f = weight.shape
     w = weight.detach().float().reshape(out_f, in_f // GROUP, GROUP)
-    lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)  # [out, in/G, 1]
+    lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
     d = (hi - lo) / LEVELS
-    q = torch.round((w - lo) / torch.where(d > 0, d, torch.ones_like(d))).clamp(0, LEVELS)
-    return (q * d + lo).reshape(out_f, in_f)
+    q = torch.round((w - lo) / torch.where(d > 0, d, torch.ones_like(d))).clamp_(0, LEVELS)
+    return w, q, d, lo
 
 
 def int4_matmul(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:

@@ -7,7 +7,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from eagle3_platform import compute
-from eagle3_platform.int4_weights import GROUP, LEVELS, grid_codes, int4_available, int4_matmul
+from eagle3_platform.int4_weights import GROUP, LEVELS, grid_codes, int4_available, int4_matmul, round_to_grid
 from eagle3_platform.packed_linear import PackedLinear, fuse_siblings, int4_weight_count, packing_available
 
 pytestmark = pytest.mark.skipif(not (int4_available() and packing_available()),
@@ -15,19 +15,9 @@ pytestmark = pytest.mark.skipif(not (int4_available() and packing_available()),
 BF16_TOL = dict(rtol=2e-2, atol=2e-2)  # the codes' path rounds inputs, scales and outputs to bf16
 
 
-def on_grid(weight: torch.Tensor) -> torch.Tensor:
-    """The weight quantized as Q4_1 does it (per GROUP along in_features: lo + d·q, q in 0..LEVELS)
-    and dequantized: a weight that lies on the grid, as a GGUF Q4_1 checkpoint's do."""
-    out_f, in_f = weight.shape
-    w = weight.detach().float().reshape(out_f, in_f // GROUP, GROUP)
-    lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
-    d = (hi - lo) / LEVELS
-    return (torch.round((w - lo) / d).clamp(0, LEVELS) * d + lo).reshape(out_f, in_f)
-
-
 def test_codes_rebuild_a_grid_weight_within_bf16_rounding():
     torch.manual_seed(0)
-    w = on_grid(torch.randn(96, 128) / 10)  # [out, in]
+    w = round_to_grid(torch.randn(96, 128) / 10)  # [out, in]
     codes = grid_codes(w)
     assert codes is not None and codes.out_features == 96
     eye = torch.eye(128)  # row i of the product is column i of W: every code, scale and zero read back
@@ -40,7 +30,7 @@ def test_codes_rebuild_a_grid_weight_within_bf16_rounding():
 
 def test_constant_groups_are_on_the_grid():
     w = torch.full((16, 64), 0.25)
-    w[:, GROUP:] = on_grid(torch.randn(16, GROUP))
+    w[:, GROUP:] = round_to_grid(torch.randn(16, GROUP))
     codes = grid_codes(w)
     assert codes is not None
     torch.testing.assert_close(int4_matmul(torch.eye(64), codes), w.T, rtol=0, atol=w.abs().max().item() * 2 ** -7)
@@ -54,9 +44,12 @@ def test_weights_off_the_grid_or_of_other_shapes_get_no_codes(shape):
     w = torch.randn(shape)
     assert grid_codes(w) is None
     if shape[1] % GROUP == 0 and shape[0] % 16 == 0:
-        w = on_grid(w)
+        w = round_to_grid(w)
         assert grid_codes(w) is not None
-        w[3, 5] += (w[3].max() - w[3].min()) / LEVELS / 3  # one value a third of a step off
+        group = w[3, :GROUP]
+        lo, hi = group.min(), group.max()
+        j = next(j for j in range(GROUP) if lo < group[j] < hi)
+        w[3, j] = lo + (hi - lo) / LEVELS / 2  # one value halfway between two codes of its group
         assert grid_codes(w) is None
 
 
@@ -67,7 +60,7 @@ def test_narrow_inputs_multiply_on_the_codes_and_wide_ones_on_the_packed_weight(
     torch.manual_seed(0)
     lin = nn.Linear(64, 96, bias=bias)
     with torch.no_grad():
-        lin.weight.copy_(on_grid(lin.weight))
+        lin.weight.copy_(round_to_grid(lin.weight))
     layer = PackedLinear(lin, narrow_rows=4, int4_rows=9)
     assert layer.weight_packed.rowmajor is None  # the codes serve every row the row-major copy would
     seen = []
@@ -97,7 +90,7 @@ def test_fused_siblings_hold_one_set_of_codes():
     attn.q_proj, attn.k_proj, attn.v_proj = (nn.Linear(64, n, bias=False) for n in (64, 32, 32))
     for lin in (attn.q_proj, attn.k_proj, attn.v_proj):
         with torch.no_grad():
-            lin.weight.copy_(on_grid(lin.weight))
+            lin.weight.copy_(round_to_grid(lin.weight))
     x = torch.randn(1, 64)
     want = [lin(x) for lin in (attn.q_proj, attn.k_proj, attn.v_proj)]
     assert fuse_siblings(attn, int4_rows=5) == 3 and int4_weight_count(attn) == 1
@@ -127,7 +120,7 @@ def grid_target_dir(tiny_target_dir, tmp_path):
     shutil.copytree(tiny_target_dir, out)
     (weights,) = out.glob("*.safetensors")
     sd = load_file(weights)
-    sd = {k: on_grid(v) if k.endswith("proj.weight") else v for k, v in sd.items()}
+    sd = {k: round_to_grid(v) if k.endswith("proj.weight") else v for k, v in sd.items()}
     save_file(sd, weights, metadata={"format": "pt"})
     return out
 
