@@ -58,7 +58,7 @@ WIDE_FP32_ROWS = 32
 ROWMAJOR_PROBE_ROWS = (1, 2, 3, 4, 6, 8)
 # Row counts the int4 probe tries: the kernel tiles rows by 4, so its cost steps at 5, 9, 13, ...
 # SmolLM2's MLP shapes, 2 threads, Intel Xeon without avx512_bf16 (~/.cache/eagle3-runs/s27/): codes
-# 2.7x faster than fp32 at 1 row, 3.1x at 4, 2.2x at 8, ~even at 32.
+# 2.7x faster than fp32 at 1 row, 3.1x at 4, 2.2x at 8, 0.54x at 256; this probe answers 17 there.
 INT4_PROBE_ROWS = (4, 8, 12, 16, 24, 32)
 INT4_PROBE_COPIES = 6  # of the MLP's two weights: with hot weights fp32 looks 1.5-2x better than in a model
 

@@ -12,8 +12,8 @@ while the residual stream, norms and attention stay fp32. Its cost steps every 4
 by 4) and it loses to fp32 from ~16-32 rows (it rebuilds the weights per tile), so only narrow inputs
 take it (compute.int4_matmul_rows). SmolLM2's 210 linears, 2 threads, an Intel Xeon without
 avx512_bf16 (~/.cache/eagle3-runs/s27/int4speed.py): 1 row 6.1 ms vs 16.4 ms fp32 row-major,
-4 rows 8.2 vs 25.1, 8 rows 15.4 vs 33.2 packed, 32 rows 49.3 vs ~45; a whole target step over 300
-cached tokens 41.9 -> 25.6 ms (1 row) and 72.0 -> 34.6 ms (4 rows).
+4 rows 8.2 vs 25.1, 8 rows 15.4 vs 33.2 packed, 256 rows 391 vs 212 packed; a whole target step over
+300 cached tokens 41.9 -> 25.6 ms (1 row) and 72.0 -> 34.6 ms (4 rows).
 """
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ class SpecEngine:
         if isinstance(self.draft, torch.nn.Module):  # the head computes in the target's dtype (bf16 on CPU)
             self.draft = self.draft.cast_parameters(self.dtype)
             self.head_weights = self.resolve_head_weights(cfg.head_weights)
-            narrow = target.meta.get("rowmajor_rows", 0)  # few rows on row-major weights where the target's are
+            narrow = target.meta.get("rowmajor_rows", 0)  # row-major weights for few rows, as the target
             if self.head_weights == "int8":  # a copy: engines with other settings may share `draft`
                 self.draft = int8_head(self.draft)
             elif self.head_weights == "int4":  # codes below the rows the target's, or the probe, take them
