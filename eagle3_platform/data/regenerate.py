@@ -261,8 +261,8 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
     # fp32 with narrow matmuls on a 4-bit target's codes); an endpoint's dtype is the server's business.
     gen = {"mode": "endpoint" if endpoint else "local", **_settings(cfg), "weights_hash": meta.get("weights_hash", ""),
            "dtype": None if endpoint else resolve_dtype(cfg.dtype)}
-    if not endpoint and cfg.packed_linears and int4_matmul_rows(cfg.dtype):
-        gen["int4_rows"] = int4_matmul_rows(cfg.dtype)  # only where used: older outputs keep their key
+    if not endpoint and cfg.packed_linears and (int4_rows := int4_matmul_rows(cfg.dtype)):
+        gen["int4_rows"] = int4_rows  # only where used: older outputs keep their key
     if endpoint:
         gen["endpoint"] = _public_url(endpoint)
     check_resume_key(out_path, rejected_path, resume_key(meta, tok, gen), restart)
