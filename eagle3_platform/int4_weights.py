@@ -2,9 +2,10 @@
 
 The embedded SmolLM2 ships as a GGUF Q4_1: each linear weight is, in groups of 32 along in_features,
 lo + d·q with q in 0..15, and the prepared fp32 checkpoint holds those values exactly (checked:
-every projection of all 30 layers reconstructs bitwise; the Q8_0 embedding does not lie on such a
-grid and is left alone). A decode or verify step reads every weight for a few rows, so its cost is
-the bytes read, and the codes are 1/8 of the fp32 weight. torch's int4 kernel
+every projection of all 30 layers reconstructs bitwise). Its embedding, which the lm_head shares, is
+a Q8_0 (d·q, q in -127..127 per 32), which the same kernel multiplies as two 4-bit planes (q + 128 =
+16·hi + lo). A decode or verify step reads every weight for a few rows, so its cost is the bytes
+read, and the codes are 1/8 (1/4 for two planes) of the fp32 weight. torch's int4 kernel
 (`_weight_int4pack_mm_for_cpu`, what gpt-fast's CPU path runs) takes bf16 activations and bf16
 scales, accumulates in fp32 and rounds its output to bf16: these matmuls have the bf16 dtype's
 rounding (the weights it rebuilds are within ~2^-9 of the checkpoint's, as bf16 weights would be),
@@ -28,12 +29,22 @@ LEVELS = 15  # codes 0..15
 # dequantized in fp32 lands on it (SmolLM2's exactly); an fp32 or bf16 checkpoint's weights do not.
 GRID_TOLERANCE, GRID_RELATIVE = 1e-3, 1e-6
 N_MULTIPLE = 16  # out_features the kernel's layout takes
+# A two-plane (Q8_0) weight reads twice the codes and runs the kernel twice, so it wins over fp32 at
+# fewer rows than one plane: SmolLM2's tied lm_head, a whole target step over 300 cached tokens, 2
+# threads, Intel box (~/.cache/eagle3-runs/s28/lmhead_ab.py): 1 row 33.5 -> 29.9 ms, 2 rows 36.6 ->
+# 33.5, 3-4 rows ~2% faster, 5 rows even, 6-16 rows 0-8% slower.
+TWO_PLANE_ROWS = 5
+
+
+@dataclass(frozen=True)
+class Int4Plane:
+    packed: torch.Tensor        # the kernel's layout of the codes (opaque uint8)
+    scales_zeros: torch.Tensor  # [in/GROUP, out, 2] bf16: w = (q - 8)·scale + zero
 
 
 @dataclass(frozen=True)
 class Int4Weight:
-    packed: torch.Tensor        # the kernel's layout of the codes (opaque uint8)
-    scales_zeros: torch.Tensor  # [in/GROUP, out, 2] bf16: w = (q - 8)·scale + zero
+    planes: tuple[Int4Plane, ...]  # W = the sum of the planes' weights (Q4_1: one; Q8_0: two)
     out_features: int
 
 
@@ -42,21 +53,43 @@ def int4_available() -> bool:
 
 
 def grid_codes(weight: torch.Tensor) -> Int4Weight | None:
-    """[out, in] -> its 4-bit codes, where every group of GROUP along in_features is lo + d·q
-    (q in 0..LEVELS, d = (max - min)/LEVELS, as Q4_1 quantizes) to GRID_TOLERANCE; None where any
-    value is off that grid (an fp32 or bf16 checkpoint: quantizing it would change the model), or
-    where the kernel cannot take the shape."""
+    """[out, in] -> its 4-bit codes, where every group of GROUP along in_features lies on a GGUF grid
+    to GRID_TOLERANCE: Q4_1's (lo + d·q, q in 0..LEVELS, d = (max - min)/LEVELS) as one plane, or
+    Q8_0's (d·q, q in -127..127, d = max|w|/127) as two (q + 128 = 16·hi + lo, hi and lo 4-bit: the
+    kernel multiplies each, the sum is the weight). None where any value is off both grids (an fp32
+    or bf16 checkpoint: quantizing it would change the model), or where the kernel cannot take the
+    shape."""
     out_f, in_f = weight.shape
     if in_f % GROUP or out_f % N_MULTIPLE or not int4_available():
         return None
     w, q, d, lo = _nearest_codes(weight)
+    if _on_grid(w, q * d + lo, d):
+        return Int4Weight((_plane(q, d, lo + 8 * d),), out_f)  # the kernel rebuilds (q - 8)·d + zero
+    w, q, d = _nearest_int8_codes(weight)
+    if _on_grid(w, q * d, d):
+        hi, lo4 = (q + 128).div(16, rounding_mode="floor"), (q + 128).remainder(16)  # [out, in/G, G]
+        # (hi - 8)·16d + 0 and (lo4 - 8)·d + 8d sum to (16·hi + lo4 - 128)·d = q·d
+        return Int4Weight((_plane(hi, 16 * d, torch.zeros_like(d)), _plane(lo4, d, 8 * d)), out_f)
+    return None
+
+
+def rows_on_codes(w: Int4Weight) -> int:
+    """Below how many rows a weight's codes may serve at most: a one-plane weight as the machine's
+    probe says (compute.int4_matmul_rows), a two-plane one below TWO_PLANE_ROWS."""
+    return 1 << 30 if len(w.planes) == 1 else TWO_PLANE_ROWS
+
+
+def _on_grid(w: torch.Tensor, rebuilt: torch.Tensor, d: torch.Tensor) -> bool:
     tolerance = GRID_TOLERANCE * d + GRID_RELATIVE * w.abs().amax(-1, keepdim=True)
-    if ((q * d + lo - w).abs() > tolerance).any():  # on the grid or nothing: never quantize a model
-        return None
-    packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).reshape(out_f, in_f), 2)
-    # the kernel rebuilds (q - 8)·scale + zero, so zero = lo + 8·d
-    scales_zeros = torch.stack([d[..., 0], (lo + 8 * d)[..., 0]], dim=-1)  # [out, in/G, 2]
-    return Int4Weight(packed, scales_zeros.transpose(0, 1).contiguous().to(torch.bfloat16), out_f)
+    return bool(((rebuilt - w).abs() <= tolerance).all())  # on the grid or nothing: never quantize
+
+
+def _plane(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Int4Plane:
+    """codes q [out, in/G, G] (float, 0..LEVELS), scale and zero [out, in/G, 1] -> the kernel's plane."""
+    out_f = q.shape[0]
+    packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).reshape(out_f, -1), 2)
+    scales_zeros = torch.stack([scale[..., 0], zero[..., 0]], dim=-1)  # [out, in/G, 2]
+    return Int4Plane(packed, scales_zeros.transpose(0, 1).contiguous().to(torch.bfloat16))
 
 
 def round_to_grid(weight: torch.Tensor) -> torch.Tensor:
@@ -78,9 +111,21 @@ def _nearest_codes(weight: torch.Tensor):
     return w, q, d, lo
 
 
+def _nearest_int8_codes(weight: torch.Tensor):
+    """[out, in] -> (w [out, in/G, G] fp32, its nearest codes q (float, -127..127), steps d [out,
+    in/G, 1]): Q8_0's grid, d = max|w|/127 per group (its largest value is ±127 steps)."""
+    out_f, in_f = weight.shape
+    w = weight.detach().float().reshape(out_f, in_f // GROUP, GROUP)
+    d = w.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(w / torch.where(d > 0, d, torch.ones_like(d))).clamp_(-127, 127)
+    return w, q, d
+
+
 def int4_matmul(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
-    """[..., in] -> [..., out] = x @ Wᵀ in x's dtype, with bf16 rounding of x, the scales and the
-    output (the module docstring); accumulation in fp32."""
+    """[..., in] -> [..., out] = x @ Wᵀ in x's dtype, with bf16 rounding of x, the scales and each
+    plane's output (the module docstring); accumulation in fp32."""
     rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # [M, in]
-    out = torch._weight_int4pack_mm_for_cpu(rows, w.packed, GROUP, w.scales_zeros)  # [M, out] bf16
-    return out.to(x.dtype).reshape(*x.shape[:-1], w.out_features)
+    planes = [torch._weight_int4pack_mm_for_cpu(rows, p.packed, GROUP, p.scales_zeros)  # [M, out] bf16
+              for p in w.planes]
+    out = planes[0].to(x.dtype) if len(planes) == 1 else sum(p.float() for p in planes).to(x.dtype)
+    return out.reshape(*x.shape[:-1], w.out_features)

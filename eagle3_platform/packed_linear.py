@@ -24,16 +24,17 @@ Narrow inputs (`narrow_rows`, compute.narrow_matmul_rows): where torch's row-maj
 packed one for a few rows (fp32 on an Intel CPU whose VM hides avx512_bf16: 1.3-1.7x at 1-3 rows,
 packed 1.1-1.6x faster from 4), the row-major weight is kept too and inputs of fewer rows use it.
 
-4-bit inputs (`int4_rows`, compute.int4_matmul_rows): where a weight lies exactly on a 4-bit grid (a
-GGUF Q4_1 target such as the embedded SmolLM2) and the machine computes in fp32, inputs of fewer rows
-multiply on its codes (int4_weights.py: 1/8 of the bytes, bf16 rounding). Checked before the other two.
+4-bit inputs (`int4_rows`, compute.int4_matmul_rows): where a weight lies exactly on a GGUF grid (the
+embedded SmolLM2's Q4_1 projections, one 4-bit plane; its Q8_0 tied lm_head, two) and the machine
+computes in fp32, inputs of fewer rows multiply on its codes (int4_weights.py: 1/8 or 1/4 of the
+bytes, bf16 rounding; a two-plane weight only below int4_weights.TWO_PLANE_ROWS). Checked first.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from eagle3_platform.int4_weights import grid_codes, int4_matmul
+from eagle3_platform.int4_weights import grid_codes, int4_matmul, rows_on_codes
 
 
 def packing_available() -> bool:
@@ -63,7 +64,7 @@ class PackedWeight:
         weight = weight.detach()
         self.packed, self.bias = pack_weight(weight), bias
         self.int4 = grid_codes(weight) if int4_rows else None
-        self.int4_rows = int4_rows if self.int4 is not None else 0
+        self.int4_rows = 0 if self.int4 is None else min(int4_rows, rows_on_codes(self.int4))
         self.narrow_rows = narrow_rows if narrow_rows > self.int4_rows else 0  # the codes serve fewer
         self.rowmajor = weight.contiguous() if self.narrow_rows else None
         self.wide_rows = wide_rows if weight.dtype == torch.bfloat16 else 0

@@ -7,7 +7,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from eagle3_platform import compute
-from eagle3_platform.int4_weights import GROUP, LEVELS, grid_codes, int4_available, int4_matmul, round_to_grid
+from eagle3_platform.int4_weights import (GROUP, LEVELS, TWO_PLANE_ROWS, grid_codes, int4_available, int4_matmul,
+                                          round_to_grid)
 from eagle3_platform.packed_linear import PackedLinear, fuse_siblings, int4_weight_count, packing_available
 
 pytestmark = pytest.mark.skipif(not (int4_available() and packing_available()),
@@ -26,6 +27,48 @@ def test_codes_rebuild_a_grid_weight_within_bf16_rounding():
     out = int4_matmul(x, codes)
     assert out.shape == (2, 3, 96) and out.dtype is torch.float32
     torch.testing.assert_close(out, x @ w.T, **BF16_TOL)
+
+
+def q8_0(w: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> the nearest values on Q8_0's grid (d·q per GROUP, d = max|w|/127), as a GGUF
+    Q8_0 tensor dequantizes (the embedded SmolLM2's embedding and tied lm_head)."""
+    g = w.reshape(w.shape[0], -1, GROUP)
+    d = g.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(g / d) * d).reshape(w.shape)
+
+
+def test_a_q8_0_weight_is_two_planes_that_sum_to_it():
+    torch.manual_seed(0)
+    w = q8_0(torch.randn(48, 96) / 10)
+    codes = grid_codes(w)
+    assert codes is not None and len(codes.planes) == 2
+    torch.testing.assert_close(int4_matmul(torch.eye(96), codes), w.T, rtol=0, atol=w.abs().max().item() * 2 ** -7)
+    x = torch.randn(3, 96)
+    torch.testing.assert_close(int4_matmul(x, codes), x @ w.T, **BF16_TOL)
+    assert len(grid_codes(round_to_grid(w)).planes) == 1  # Q4_1's grid first: one plane where it fits
+    w[5, 7] += w[5, :GROUP].abs().max() / 127 / 2  # half a step off Q8_0's grid (and Q4_1's)
+    assert grid_codes(w) is None
+
+
+def test_two_plane_weights_serve_fewer_rows_than_one_plane(monkeypatch):
+    import eagle3_platform.packed_linear as pl
+
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 96, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(q8_0(lin.weight))
+    layer = PackedLinear(lin, narrow_rows=4, int4_rows=17)
+    assert layer.weight_packed.int4_rows == TWO_PLANE_ROWS < 17
+    seen = []
+    for name in ("packed_matmul", "int4_matmul"):
+        real = getattr(pl, name)
+        monkeypatch.setattr(pl, name, lambda *a, real=real, name=name: seen.append(name) or real(*a))
+    for rows, path in ((TWO_PLANE_ROWS - 1, "int4_matmul"), (TWO_PLANE_ROWS, "packed_matmul")):
+        x = torch.randn(rows, 64)
+        with torch.inference_mode():
+            torch.testing.assert_close(layer(x), lin(x), **BF16_TOL)
+        assert seen == [path]
+        seen.clear()
 
 
 def test_constant_groups_are_on_the_grid():
@@ -159,3 +202,25 @@ def test_off_grid_target_records_no_codes(tiny_target_dir, monkeypatch):
     monkeypatch.setattr(compute, "int4_probe_rows", lambda: 9)
     t = load_target(tiny_target_dir, dtype="auto")
     assert t.meta["int4_linears"] == 0 and t.meta["int4_rows"] == 0 and t.meta["rowmajor_rows"] == 3
+
+
+@pytest.mark.e2e
+def test_smollm2_projections_and_tied_lm_head_lie_on_their_grids(smollm2_dir, monkeypatch):
+    """The embedded target as prepared: its 210 projections on Q4_1's grid (fused: 4 weights per
+    layer) and its tied lm_head on Q8_0's (two planes), so under auto on an fp32 machine every weight
+    a decode step reads has codes; one decode step's logits stay within bf16 rounding of fp32's."""
+    from eagle3_platform.target import load_target
+
+    monkeypatch.setattr(compute, "cpu_flags", lambda: frozenset({"avx512f"}))
+    monkeypatch.setattr(compute, "rowmajor_matmul_rows", lambda dtype: 4)
+    monkeypatch.setattr(compute, "int4_probe_rows", lambda: 17)
+    codes, fp32 = load_target(smollm2_dir, dtype="auto"), load_target(smollm2_dir, dtype="float32")
+    layers = codes.model.config.num_hidden_layers
+    assert codes.meta["int4_linears"] == 4 * layers + 1
+    head = codes.model.lm_head.weight_packed
+    assert len(head.int4.planes) == 2 and head.int4_rows == TWO_PLANE_ROWS
+    ids = codes.tokenizer("The capital of France is", return_tensors="pt").input_ids
+    with torch.inference_mode():
+        got, want = codes.model(ids).logits[0, -1], fp32.model(ids).logits[0, -1]
+    torch.testing.assert_close(got, want, rtol=0, atol=0.05 * want.abs().max().item())
+    assert got.argmax() == want.argmax()
