@@ -21,13 +21,24 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def test_lookup_takes_the_latest_occurrence_of_the_longest_ngram():
     #          0  1  2  3  4  5  6  7  8  9 10
     history = [5, 6, 7, 1, 9, 6, 7, 2, 3, 6, 7]
-    assert lookup(history, 3, max_ngram=2) == [2, 3, 6]  # "6 7" last seen at 5-6, not at 1-2
-    assert lookup(history, 8, max_ngram=2) == [2, 3, 6, 7]  # cut at the end of what is known
+    assert lookup(history, 3, max_ngram=2) == [2, 3]  # "6 7" last seen at 5-6, not at 1-2
     assert lookup(history, 2, max_ngram=3) == [2, 3]  # "3 6 7" never occurred before: "6 7" did
-    assert lookup([4, 1, 2, 4], 2, max_ngram=3) == [1, 2]  # falls back to a single token
+    assert lookup([4, 1, 2, 4], 2, max_ngram=3) == [1]  # falls back to a single token
     assert lookup([1, 2, 3], 4, max_ngram=3) == []  # 3 never occurred before
     assert lookup([7], 4, max_ngram=3) == [] and lookup([7, 7], 0, max_ngram=3) == []
     assert lookup([7, 7], 4, max_ngram=3) == [7]
+
+
+def test_a_longer_match_earns_a_longer_chain():
+    """At most 2^(n-1) tokens for an n-token match, and never more than max_tokens or than is known."""
+    seq = list(range(10, 20))
+    history = seq + [99] + seq[:4]  # the last 4 tokens occurred before, followed by 14..19, 99, ...
+    assert lookup(history, 8, max_ngram=4) == [14, 15, 16, 17, 18, 19, 99, 10]  # 4-gram: up to 8
+    assert lookup(history, 8, max_ngram=3) == [14, 15, 16, 17]  # 3-gram: up to 4
+    assert lookup(history, 8, max_ngram=2) == [14, 15]
+    assert lookup(history, 8, max_ngram=1) == [14]
+    assert lookup(history, 3, max_ngram=4) == [14, 15, 16]  # the caller's cap first
+    assert lookup([1, 2, 3, 9, 1, 2, 3], 8, max_ngram=4) == [9, 1, 2, 3]  # 3-gram, cut at the end
 
 
 def test_graft_shares_the_agreeing_prefix_and_appends_the_rest():

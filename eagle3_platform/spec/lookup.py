@@ -6,6 +6,12 @@ are often a copy of what followed the last occurrence of the current n-gram. Tha
 the tail of the sequence (the pending root included) is matched against the earlier tokens, longest
 n-gram first (lookup_ngram down to 1), latest occurrence first, and the tokens that followed become
 a chain hung under the root. Where its first tokens agree with the head's tree it shares those nodes.
+A longer match earns a longer chain, at most 2^(n-1) tokens for an n-token match: on SmolLM2's greedy
+answers to 32 held-out MT-bench questions (~/.cache/eagle3-runs/s28/sim_lookup.py) the first token
+after a 1-token match was right 21% of the time (0.48 of 7.4 proposed tokens accepted), after a
+4-token match 84% (4.4 accepted), and every proposed token widens the verify. Demo head,
+chain_adaptive + lookup 8, 12 prompts, 96 tokens, interleaved (s28/lookup_ab.py): 0.92x of plain
+decoding with a flat 8 tokens per match, 1.09x with the rule, 1.11x with it and 4-grams.
 Verification is unchanged (sampling.py), so output is too: greedy output equals target greedy
 decoding whatever either drafter proposes; the branch only adds verify width (in bf16 on CPU, 5 more
 query tokens cost about as much as one).
@@ -22,7 +28,8 @@ from eagle3_platform.spec.tree import Tree
 
 def lookup(history: list[int], max_tokens: int, max_ngram: int) -> list[int]:
     """Tokens that followed the latest earlier occurrence of history's last n tokens (n = max_ngram
-    down to 1; the first n that matches wins) -> up to max_tokens ids, [] when nothing matches."""
+    down to 1; the first n that matches wins) -> up to min(max_tokens, 2^(n-1)) ids, [] when nothing
+    matches."""
     if max_tokens < 1 or len(history) < 2:
         return []
     seq = torch.tensor(history)
@@ -31,7 +38,7 @@ def lookup(history: list[int], max_tokens: int, max_ngram: int) -> list[int]:
         hits = (windows == seq[-n:]).all(dim=1).nonzero()[:, 0]
         if hits.numel():
             start = int(hits[-1]) + n  # the latest occurrence: recent text predicts best
-            return history[start:start + max_tokens]
+            return history[start:start + min(max_tokens, 2 ** (n - 1))]
     return []
 
 
