@@ -62,10 +62,11 @@ def grid_codes(weight: torch.Tensor) -> Int4Weight | None:
     out_f, in_f = weight.shape
     if in_f % GROUP or out_f % N_MULTIPLE or not int4_available():
         return None
-    w, q, d, lo = _nearest_codes(weight)
+    w = _groups(weight)  # [out, in/G, G] fp32, read once for both grids
+    q, d, lo = _nearest_codes(w)
     if _on_grid(w, q * d + lo, d):
         return Int4Weight((_plane(q, d, lo + 8 * d),), out_f)  # the kernel rebuilds (q - 8)·d + zero
-    w, q, d = _nearest_int8_codes(weight)
+    q, d = _nearest_int8_codes(w)
     if _on_grid(w, q * d, d):
         hi, lo4 = (q + 128).div(16, rounding_mode="floor"), (q + 128).remainder(16)  # [out, in/G, G]
         # (hi - 8)·16d + 0 and (lo4 - 8)·d + 8d sum to (16·hi + lo4 - 128)·d = q·d
@@ -73,10 +74,10 @@ def grid_codes(weight: torch.Tensor) -> Int4Weight | None:
     return None
 
 
-def rows_on_codes(w: Int4Weight) -> int:
-    """Below how many rows a weight's codes may serve at most: a one-plane weight as the machine's
-    probe says (compute.int4_matmul_rows), a two-plane one below TWO_PLANE_ROWS."""
-    return 1 << 30 if len(w.planes) == 1 else TWO_PLANE_ROWS
+def rows_on_codes(w: Int4Weight, probed: int) -> int:
+    """Below how many rows a weight's codes serve: a one-plane weight below what the machine's probe
+    found (compute.int4_matmul_rows), a two-plane one below TWO_PLANE_ROWS at most."""
+    return probed if len(w.planes) == 1 else min(probed, TWO_PLANE_ROWS)
 
 
 def _on_grid(w: torch.Tensor, rebuilt: torch.Tensor, d: torch.Tensor) -> bool:
@@ -96,36 +97,43 @@ def round_to_grid(weight: torch.Tensor) -> torch.Tensor:
     """[out, in] -> the nearest values on a Q4_1 grid (per GROUP along in_features, lo + d·q with
     d = (max - min)/LEVELS): round-to-nearest 4-bit quantization, dequantized, in fp32. Only for the
     draft head, on request (draft/quant.int4_head): the target's weights are never rounded."""
-    _, q, d, lo = _nearest_codes(weight)
+    q, d, lo = _nearest_codes(_groups(weight))
     return (q * d + lo).reshape(weight.shape)
 
 
-def _nearest_codes(weight: torch.Tensor):
-    """[out, in] -> (w [out, in/G, G] fp32, its nearest codes q (float, 0..LEVELS) in the same shape,
-    steps d and offsets lo [out, in/G, 1]): Q4_1's grid, d = (max - min)/LEVELS per group."""
+def _groups(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [out, in/G, G] fp32: the groups a GGUF block scales together."""
     out_f, in_f = weight.shape
-    w = weight.detach().float().reshape(out_f, in_f // GROUP, GROUP)
+    return weight.detach().float().reshape(out_f, in_f // GROUP, GROUP)
+
+
+def _nearest_codes(w: torch.Tensor):
+    """groups w [out, in/G, G] -> (their nearest codes q (float, 0..LEVELS) in the same shape, steps d
+    and offsets lo [out, in/G, 1]): Q4_1's grid, d = (max - min)/LEVELS per group."""
     lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
     d = (hi - lo) / LEVELS
-    q = torch.round((w - lo) / torch.where(d > 0, d, torch.ones_like(d))).clamp_(0, LEVELS)
-    return w, q, d, lo
+    return torch.round((w - lo) / _nonzero(d)).clamp_(0, LEVELS), d, lo
 
 
-def _nearest_int8_codes(weight: torch.Tensor):
-    """[out, in] -> (w [out, in/G, G] fp32, its nearest codes q (float, -127..127), steps d [out,
-    in/G, 1]): Q8_0's grid, d = max|w|/127 per group (its largest value is ±127 steps)."""
-    out_f, in_f = weight.shape
-    w = weight.detach().float().reshape(out_f, in_f // GROUP, GROUP)
+def _nearest_int8_codes(w: torch.Tensor):
+    """groups w [out, in/G, G] -> (their nearest codes q (float, -127..127), steps d [out, in/G, 1]):
+    Q8_0's grid, d = max|w|/127 per group (its largest value is ±127 steps)."""
     d = w.abs().amax(-1, keepdim=True) / 127
-    q = torch.round(w / torch.where(d > 0, d, torch.ones_like(d))).clamp_(-127, 127)
-    return w, q, d
+    return torch.round(w / _nonzero(d)).clamp_(-127, 127), d
+
+
+def _nonzero(d: torch.Tensor) -> torch.Tensor:
+    """d with its zero steps (constant groups) as 1: every code of such a group is 0."""
+    return torch.where(d > 0, d, torch.ones_like(d))
 
 
 def int4_matmul(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
     """[..., in] -> [..., out] = x @ Wᵀ in x's dtype, with bf16 rounding of x, the scales and each
     plane's output (the module docstring); accumulation in fp32."""
     rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # [M, in]
-    planes = [torch._weight_int4pack_mm_for_cpu(rows, p.packed, GROUP, p.scales_zeros)  # [M, out] bf16
-              for p in w.planes]
-    out = planes[0].to(x.dtype) if len(planes) == 1 else sum(p.float() for p in planes).to(x.dtype)
-    return out.reshape(*x.shape[:-1], w.out_features)
+    first, *rest = (torch._weight_int4pack_mm_for_cpu(rows, p.packed, GROUP, p.scales_zeros)
+                    for p in w.planes)  # [M, out] bf16 each
+    out = first.float()
+    for plane in rest:  # the planes' sum in fp32
+        out += plane
+    return out.to(x.dtype).reshape(*x.shape[:-1], w.out_features)

@@ -64,7 +64,7 @@ class PackedWeight:
         weight = weight.detach()
         self.packed, self.bias = pack_weight(weight), bias
         self.int4 = grid_codes(weight) if int4_rows else None
-        self.int4_rows = 0 if self.int4 is None else min(int4_rows, rows_on_codes(self.int4))
+        self.int4_rows = 0 if self.int4 is None else rows_on_codes(self.int4, int4_rows)
         self.narrow_rows = narrow_rows if narrow_rows > self.int4_rows else 0  # the codes serve fewer
         self.rowmajor = weight.contiguous() if self.narrow_rows else None
         self.wide_rows = wide_rows if weight.dtype == torch.bfloat16 else 0
