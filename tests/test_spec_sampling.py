@@ -9,7 +9,7 @@ import torch
 
 from eagle3_platform.spec.config import SpecConfig
 from eagle3_platform.spec.engine import SpecEngine
-from eagle3_platform.spec.sampling import verify_sampling
+from eagle3_platform.spec.sampling import _sample_residual, verify_sampling
 from eagle3_platform.testing.spec import VariedTargetConfig, random_draft, varied_target
 from eagle3_platform.spec.tree import Tree
 
@@ -56,6 +56,20 @@ def test_verify_sampling_emits_exact_target_draws():
     assert chi_square_pvalue(first, probs[0]) > P_MIN
     assert chi_square_pvalue(second, probs[1]) > P_MIN
     assert second.sum() > 1000  # node 1 was accepted often enough to test its level
+
+
+def test_rejecting_all_of_the_support_through_rounding_still_draws_a_token():
+    """Siblings that hold all of p's support can all be rejected when fp32 rounding leaves a few 1e-8
+    of `mass`: the residual is then all zeros, which torch.multinomial refuses. The draw falls back to
+    p instead of failing the step (and with it every request in the batch)."""
+    p = torch.tensor([0.5, 0.5, 0.0, 0.0])
+    for seed in range(20):
+        tok = _sample_residual(p, [0, 1], 6e-8, 1e-12, torch.Generator().manual_seed(seed))
+        assert tok in (0, 1)  # p's support: an exact draw is impossible here, any of it will do
+    # an ordinary residual is still drawn without the rejected tokens
+    q = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    assert all(_sample_residual(q, [0, 1], 0.3, 1e-12, torch.Generator().manual_seed(s)) in (2, 3)
+               for s in range(20))
 
 
 @torch.no_grad()

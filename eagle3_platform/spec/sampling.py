@@ -86,4 +86,6 @@ def _sample_residual(p: torch.Tensor, rejected: list[int], mass: float, min_mass
         return sample(p, gen)
     residual = p.clone()
     residual[rejected] = 0.0
-    return sample(residual, gen)
+    # the rejected siblings may hold all of p's support while fp32 rounding leaves `mass` a few 1e-8
+    # above zero: an all-zero residual is that same unreachable case (multinomial would raise)
+    return sample(residual if float(residual.sum()) > 0 else p, gen)
