@@ -113,6 +113,16 @@ def test_server_cap_on_draft_size_keeps_output(target, refs):
     assert r.hist[1] > 0  # cap 0 steps emit the bonus token alone
 
 
+def test_a_vanishing_temperature_decodes_greedily(target, refs):
+    """T = 1e-40 would overflow logits / T to inf and NaN in softmax: below MIN_SAMPLING_TEMPERATURE
+    a request is greedy, its output the target's greedy continuation."""
+    engine = SpecEngine(target, random_draft(target, target.model.config.vocab_size, seed=3),
+                        PRESETS["chain"])
+    for p in PROMPTS[:2]:
+        out, _ = engine.generate(_ids(target, p), MAX_NEW, temperature=1e-40, seed=0)
+        assert out == refs[p][:MAX_NEW]
+
+
 @torch.no_grad()
 def test_drafter_backlog_is_caught_up_apart_and_equals_one_append(target):
     """Steps verified without a draft leave the drafter a backlog (here the prompt + 3 steps). The

@@ -30,6 +30,9 @@ from eagle3_platform.spec.stops import Finisher
 from eagle3_platform.spec.tree import Tree, ancestor_matrix, depths, root_only
 
 PREFILL_CHUNK = 256  # prompt tokens per prefill forward (a long prompt is split across steps)
+# Below this temperature a request decodes greedily (the T -> 0 limit of sampling): logits / 1e-40
+# overflow fp32 to inf, softmax turns them into NaN and the draw fails
+MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
 class Request:
@@ -93,6 +96,8 @@ class Batch:
         if max_new_tokens < 1 or temperature < 0:
             raise ValueError("need max_new_tokens >= 1 and temperature >= 0")
         e = self.engine
+        if temperature < MIN_SAMPLING_TEMPERATURE:
+            temperature = 0.0
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         fin = Finisher(e.target.tokenizer, e.eos_ids, max_new_tokens, stop)
         return Request(ids, fin, e.make_drafter(), temperature, gen)
