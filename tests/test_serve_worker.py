@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3_platform.serve.worker import EngineWorker, Job
+from eagle3_platform.serve.worker import EngineWorker, Job, QueueFull
 from eagle3_platform.testing.serve import FakeEngine
 
 
@@ -75,3 +75,38 @@ def test_new_prompts_wait_for_room_in_the_batch():
 def test_settings_that_would_stall_the_worker_are_refused(kw):
     with pytest.raises(ValueError, match="need max_batch"):
         _worker(**kw)
+
+
+def _recorder(events: list):
+    return lambda ev: events.append(ev)
+
+
+def test_a_request_whose_close_fails_still_gets_its_terminal_event():
+    """An engine error while closing a finished request answers it with an error (a client never
+    waits on a request the worker has let go of) and frees its queue slot."""
+    worker, batch = _worker(prefill_chunk=64)
+
+    def broken_close(r):
+        raise RuntimeError("close bug")
+    batch.close = broken_close
+    events = []
+    worker.submit(Job(list(range(4)), max_new_tokens=1, emit=_recorder(events)))
+    _loop(worker, batch)  # the prefill's one token finishes the request
+    assert events[0] == ("tokens", [14]) and events[-1][0] == "error"
+    assert worker.outstanding == 0 and worker.totals.requests_failed == 1
+
+
+def test_a_worker_stopped_by_a_bug_answers_held_jobs_and_refuses_new_ones():
+    class BrokenEngine(FakeEngine):
+        def batch(self):
+            raise RuntimeError("engine bug")
+
+    worker = EngineWorker(BrokenEngine(list(range(10, 20))), max_queue=8)
+    events = []
+    worker.submit(Job(list(range(4)), max_new_tokens=2, emit=_recorder(events)))
+    worker.start()
+    worker._thread.join(10)
+    assert not worker._thread.is_alive()
+    assert events == [("error", "engine worker stopped")] and worker.outstanding == 0
+    with pytest.raises(QueueFull, match="engine worker stopped"):
+        worker.submit(Job(list(range(4)), max_new_tokens=2, emit=_recorder(events)))

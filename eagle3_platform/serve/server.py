@@ -330,7 +330,7 @@ class Service:
             "requests_completed": t.requests_completed,
             "requests_cancelled": t.requests_cancelled,
             "engine_errors": t.requests_failed,
-            "queue_depth": self.worker.outstanding - self.worker.in_flight,
+            "queue_depth": max(0, self.worker.outstanding - self.worker.in_flight),  # read while jobs move
             "in_flight": self.worker.in_flight,
             **self.worker.info(),
             "uptime_s": round(time.time() - self.started, 3),

@@ -84,8 +84,10 @@ class EngineWorker:
         self._prefilling: Job | None = None  # the job whose chunk is running (its failure is its own)
         self._running: list[Job] = []
         self._ids = itertools.count(1)
+        self._batch = None  # the engine's running batch (the worker thread's; replaced after a failed step)
         self._thread = threading.Thread(target=self._run, name="engine-worker", daemon=True)
         self._stopping = False
+        self._stop_reason = "server is shutting down"
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -93,8 +95,9 @@ class EngineWorker:
 
     def stop(self, timeout: float) -> None:
         """Cancel what is running and queued, then let the thread exit."""
-        self._stopping = True
-        self._q.put(None)
+        with self._lock:  # after this, no submit can queue a job behind the end marker
+            self._stopping = True
+            self._q.put(None)
         self._thread.join(timeout)
 
     # -- API -----------------------------------------------------------------------------------
@@ -110,12 +113,12 @@ class EngineWorker:
     def submit(self, job: Job) -> Job:
         with self._lock:
             if self._stopping:
-                raise QueueFull("server is shutting down")
+                raise QueueFull(self._stop_reason)
             if self._outstanding >= self.max_queue:
                 raise QueueFull(f"queue full ({self.max_queue} requests waiting or running)")
             self._outstanding += 1
-        job.id = next(self._ids)
-        self._q.put(job)
+            job.id = next(self._ids)
+            self._q.put(job)  # under the lock: stop() queues its end marker after every accepted job
         return job
 
     def info(self) -> dict:
@@ -130,8 +133,22 @@ class EngineWorker:
 
     # -- the thread ----------------------------------------------------------------------------
     def _run(self) -> None:
-        batch = self.engine.batch()
+        """The loop; whatever ends it, every held job gets its terminal event and later submits get a
+        503: a worker that died of a bug must not leave clients waiting on a queue nobody reads."""
+        try:
+            self._batch = self.engine.batch()
+            self._loop()
+        except Exception:
+            log.exception("engine worker stopped by an unexpected error")
+            self._stop_reason = "engine worker stopped"
+        finally:
+            with self._lock:
+                self._stopping = True
+            self._shutdown(self._batch)
+
+    def _loop(self) -> None:
         while True:
+            batch = self._batch
             idle = not (self._waiting or self._running)
             if not self._pull(block=idle) or self._stopping:
                 break
@@ -143,8 +160,7 @@ class EngineWorker:
                 log.exception("request %s: engine error in prefill", job.id if job else "-")
                 if job is not None:
                     self._waiting.remove(job)
-                    if job.request is not None:
-                        batch.close(job.request)
+                    self._close(batch, job)
                     self._fail(job, f"engine error: {type(e).__name__}")
             try:
                 if self._running:
@@ -156,8 +172,7 @@ class EngineWorker:
                 self._running = []
                 for job in self._waiting:  # prompts begun in the old batch restart in the new one
                     job.request = None
-                batch = self.engine.batch()
-        self._shutdown(batch)
+                self._batch = self.engine.batch()
 
     def _pull(self, block: bool) -> bool:
         """Move submitted jobs to the waiting line; False once stop() was called."""
@@ -175,11 +190,10 @@ class EngineWorker:
         """A client that left frees its slot now (queued, prefilling or running)."""
         for job in [j for j in self._waiting if j.cancelled.is_set()]:
             self._waiting.remove(job)
-            self._finish(job, batch.close(job.request) if job.request is not None
-                         else {"generated_tokens": 0, "verify_steps": 0})
+            self._end(batch, job)
         for job in [j for j in self._running if j.cancelled.is_set()]:
             self._running.remove(job)
-            self._finish(job, batch.close(job.request))
+            self._end(batch, job)
 
     def _prefill(self, batch) -> None:
         """Up to prefill_chunk prompt tokens, over as many waiting requests as fit."""
@@ -232,9 +246,27 @@ class EngineWorker:
         if job.request.done:
             if job in self._running:
                 self._running.remove(job)
-            self._finish(job, batch.close(job.request))
+            self._end(batch, job)
 
     # -- endings -------------------------------------------------------------------------------
+    def _close(self, batch, job: Job) -> dict | None:
+        """Takes job's request out of the batch -> its stats; None when closing it failed (logged)."""
+        if job.request is None:
+            return {"generated_tokens": 0, "verify_steps": 0}
+        try:
+            return batch.close(job.request)
+        except Exception:
+            log.exception("request %s: engine error closing it", job.id)
+            return None
+
+    def _end(self, batch, job: Job) -> None:
+        """Closes job's request and sends its terminal event: done, or an error if closing failed."""
+        stats = self._close(batch, job)
+        if stats is None:
+            self._fail(job, "engine error closing the request")
+        else:
+            self._finish(job, stats)
+
     def _finish(self, job: Job, stats: dict) -> None:
         cancelled = job.cancelled.is_set() and not job.satisfied
         finished = job.request is not None and job.request.done
@@ -267,7 +299,7 @@ class EngineWorker:
         begun = [j for j in self._waiting if j.request is not None]
         for job in self._running + begun:
             job.cancelled.set()
-            self._finish(job, batch.close(job.request))
+            self._end(batch, job)
         self._running, self._waiting = [], [j for j in self._waiting if j.request is None]
         while True:
             try:
@@ -277,6 +309,6 @@ class EngineWorker:
             if job is not None:
                 self._waiting.append(job)
         for job in self._waiting:
-            self._fail(job, "server is shutting down", count=False)
+            self._fail(job, self._stop_reason, count=False)
         self._waiting.clear()
 
