@@ -189,3 +189,17 @@ def test_a_cut_draft_costs_its_depth_in_every_row_of_a_batch():
     r1 = p.depth_drafted[1]  # ~half the rows draft depth 1: nearly every batch of 8 has one that does
     assert 0 < r1 < 1 and abs(p.depth(1, 8) - (1 - (1 - r1) ** 8)) < 1e-9 and p.depth(1, 8) > r1
     assert chosen[-100:].count(0) >= 90
+
+
+def test_a_head_that_never_drafts_is_not_paid_for_at_every_step():
+    """Every draft cut before depth 1 (a head below min_draft_prob, no lookup match): the steps'
+    deepest draft is always 0, so the cost line never gets a slope. After its first walk down the
+    policy decodes plainly, drafting only every explore_every-th step; once a draft reaches depth 1
+    the line has its second point and the usual choice takes over."""
+    p = DraftSizePolicy(k_max=4, explore_every=16)
+    chosen = _simulate_cut(p, 1, lambda m: 0.03 * (1 + 0.1 * m), reach=0.0, accept=0.0, steps=200)
+    assert chosen[:5] == [4, 3, 2, 1, 0]
+    assert chosen[-160:].count(0) >= 150 and 0 < chosen[-160:].count(1) <= 10
+    # the head turns confident (code): drafts reach depth 1 and deeper; drafting takes over
+    chosen = _simulate_cut(p, 1, lambda m: 0.03 * (1 + 0.1 * m), reach=0.9, accept=0.9, steps=200, seed=1)
+    assert chosen[-50:].count(0) <= 5

@@ -113,8 +113,14 @@ class DraftSizePolicy:
         if line is None:  # a new bucket: what its nearest measured neighbour does best
             k = self._nearest_best(b)
         elif not line.ready:  # one depth measured here: a neighbouring size gives a second point
-            lo = self.caps[b][0]
-            k = lo - 1 if lo > 0 else min(1, self.k_max)
+            lo, hi = self.caps[b]
+            if lo > 0:
+                k = lo - 1
+            elif hi == 0:  # plain decoding only, so far
+                k = min(1, self.k_max)
+            else:  # drafts were asked for here, yet none reached depth 1 (the head never confident
+                # enough, no lookup match): plain decoding, a draft now and then until one is made
+                k = min(1, self.k_max) if self._steps[b] % self.explore_every == 0 else 0
         else:
             k = self._best_or_re_measure(b, batch_size)
         self.current = k
