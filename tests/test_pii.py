@@ -137,3 +137,16 @@ def test_long_text_chunked_offsets_are_exact():
     text = filler + emails[0] + " " + filler + emails[1] + " " + filler[:150] + emails[2]
     found = [f for f in s.scan(text) if f.entity_type == "EMAIL_ADDRESS"]
     assert sorted(text[f.start:f.end] for f in found) == sorted(emails)  # each once, exact offsets
+
+
+def test_a_secret_longer_than_the_overlap_is_caught_across_a_chunk_cut():
+    """A private key whose header sits more than the overlap before a chunk's end: the chunk that has
+    the header sees its match run into the cut, the next chunk sees no header. The match at the cut
+    is kept (flagging a fragment of a secret is the safe side)."""
+    s = PiiScanner(nlp="none", cfg=PiiConfig(chunk_chars=400, chunk_overlap=80))
+    body = "\n".join(["MIIEvQIBADANBgkqhkiG9w0BAQEFAASCBKcwggSjAgEAAoIBAQC7" + "A" * 12] * 6)
+    key = "-----BEGIN PRIVATE KEY-----\n" + body + "\n-----END PRIVATE KEY-----"
+    text = "Here is the configuration we deploy with, please review it. " * 5 + key + " thanks"
+    header = text.index("-----BEGIN")
+    assert header < 400 - 80 and header + len(key) > 400  # the header is not in the next chunk
+    assert any(f.entity_type == "PRIVATE_KEY" and f.start == header for f in s.scan(text))

@@ -242,15 +242,25 @@ class PiiScanner:
         engine = self.analyzer.nlp_engine
         arts = engine.process_batch([texts[i][s:e] for i, s, e in pieces], "en", batch_size=self.cfg.batch_size)
         out: list[set[Finding]] = [set() for _ in texts]
+        fragments: list[set[Finding]] = [set() for _ in texts]
         for (i, s, e), (chunk, art) in zip(pieces, arts):
             results = self.analyzer.analyze(chunk, language="en", entities=self.entities, nlp_artifacts=art,
                                             score_threshold=self.score_threshold)
             for r in results:
-                # a span touching an inner cut may be a fragment ("New" of "New York"); the neighbouring
-                # chunk sees it whole, since entities are shorter than the overlap
+                if not self._keep(r, chunk):
+                    continue
+                found = Finding(r.entity_type, r.start + s, r.end + s, round(float(r.score), 4))
+                # a span touching an inner cut may be a fragment ("New" of "New York", the first lines
+                # of a key): a name or place is seen whole by the neighbouring chunk (shorter than the
+                # overlap); a pattern match is kept unless a neighbour saw it whole, since a secret
+                # can be longer than the overlap and no chunk may hold all of it
                 cut = (r.start == 0 and s > 0) or (r.end == len(chunk) and e < len(texts[i]))
-                if not cut and self._keep(r, chunk):
-                    out[i].add(Finding(r.entity_type, r.start + s, r.end + s, round(float(r.score), 4)))
+                if cut and r.entity_type in NER_ENTITIES:
+                    continue
+                (fragments if cut else out)[i].add(found)
+        for found, frags in zip(out, fragments):
+            found |= {f for f in frags if not any(g.entity_type == f.entity_type and g.start < f.end
+                                                  and f.start < g.end for g in found)}
         return [_dlp_wins(sorted(f, key=lambda x: (x.start, x.end, x.entity_type))) for f in out]
 
     def _keep(self, r: RecognizerResult, text: str) -> bool:
