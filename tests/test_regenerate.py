@@ -274,6 +274,12 @@ class FakeOpenAI:
         last = body["messages"][-1]["content"]
         if "REFUSE" in last:
             return 400, {"error": {"message": "bad request"}}
+        if "DENY" in last:
+            return 401, {"error": {"message": "invalid api key"}}
+        if "GARBLE" in last:
+            return 200, {"choices": []}
+        if "SURROGATE" in last:  # json.dumps escapes it; the client's json.loads brings it back
+            return 200, {"choices": [{"message": {"content": "half \ud800 a pair"}, "finish_reason": "stop"}]}
         turn = sum(m["role"] == "assistant" for m in body["messages"])
         content = f"Answer {turn} to {last}"
         if "EMAIL" in last:
@@ -361,6 +367,24 @@ def test_endpoint_refusal_and_response_pii_are_rejected(tiny_target_dir, tmp_pat
     assert s["by_reason"] == {"dlp_response:AWS_ACCESS_KEY": 1, "endpoint:400": 1, "pii_response:EMAIL_ADDRESS": 1}
     text = (tmp_path / "rej.jsonl").read_text()
     assert "jane.roe" not in text and "AKIA" not in text  # reasons only, never the response text
+
+
+def test_a_malformed_reply_rejects_its_conversation_and_an_auth_refusal_stops_the_run(tiny_target_dir, tmp_path,
+                                                                                      fake_server):
+    prompts = [prompt_record(0, ["fine question"]), prompt_record(1, ["please GARBLE"]),
+               prompt_record(2, ["Hi", "a SURROGATE please"])]
+    inp = write_prompts(tmp_path / "in.jsonl", prompts)
+    s = regenerate_file(tiny_target_dir, inp, tmp_path / "out.jsonl", FAST_RETRY, endpoint=fake_server.url,
+                        rejected_path=tmp_path / "rej.jsonl", scanner=NoScan())
+    assert (s["read"], s["written"], s["rejected"]) == (3, 1, 2)
+    assert s["by_reason"] == {"endpoint:bad_reply": 2}
+    # 401: the key is wrong for every request; the run stops and rejects nothing, so a rerun resumes
+    inp = write_prompts(tmp_path / "in2.jsonl", [prompt_record(0, ["fine question"]),
+                                                 prompt_record(1, ["DENY this"])])
+    with pytest.raises(RuntimeError, match="refused the request \\(401\\): check the API key"):
+        regenerate_file(tiny_target_dir, inp, tmp_path / "out2.jsonl", replace(FAST_RETRY, concurrency=1),
+                        endpoint=fake_server.url, rejected_path=tmp_path / "rej2.jsonl", scanner=NoScan())
+    assert "endpoint:401" not in (tmp_path / "rej2.jsonl").read_text()
 
 
 def test_endpoint_down_fails_loudly_and_resumes(tiny_target_dir, tmp_path):

@@ -1,8 +1,11 @@
 """Client for any OpenAI-compatible `/v1/chat/completions` (SGLang, vLLM, the embedded server).
 
-Transient failures (connection errors, timeouts, 429, 5xx) are retried with exponential backoff; any
-other 4xx is the request's fault and raised as `EndpointRequestError` so the caller can reject that one
-conversation. Regeneration's endpoint back end (`regenerate.run_endpoint`) drives it.
+Transient failures (connection errors, timeouts, 429, 5xx) are retried with exponential backoff.
+401, 403 and 404 say the endpoint refuses every request (key, URL or model name): `EndpointRefused`
+stops the run, so nothing is rejected for it and a rerun with the right settings resumes. Any other
+4xx, and a reply that is not a chat completion, is that request's fault: `EndpointRequestError`, so
+the caller rejects that one conversation. Regeneration's endpoint back end (`regenerate.run_endpoint`)
+drives it.
 """
 from __future__ import annotations
 
@@ -11,11 +14,20 @@ from dataclasses import dataclass
 
 
 class EndpointRequestError(ValueError):
-    """The endpoint refused this request (4xx other than 429): retrying will not help."""
+    """The endpoint refused this request (4xx other than 429), or its reply is no chat completion:
+    retrying will not help. `reason`: the rejection reason recorded for the conversation."""
 
-    def __init__(self, status: int, detail: str):
+    def __init__(self, status: int, detail: str, reason: str | None = None):
         super().__init__(f"endpoint answered {status}: {detail[:200]}")
         self.status = status
+        self.reason = reason or f"endpoint:{status}"
+
+
+class EndpointRefused(RuntimeError):
+    """The endpoint refuses every request (401/403/404): a setting is wrong, not a record."""
+
+
+REFUSED = {401: "the API key", 403: "the API key", 404: "the URL or the model name"}
 
 
 @dataclass(frozen=True)
@@ -53,12 +65,7 @@ class ChatClient:
                 "temperature": temperature, "top_p": top_p, "stream": False}
         if seed is not None:
             body["seed"] = seed
-        data = self._post(body)
-        choice = data["choices"][0]
-        usage = data.get("usage") or {}
-        return Reply(content=choice["message"].get("content") or "",
-                     finish_reason=choice.get("finish_reason") or "stop",
-                     completion_tokens=usage.get("completion_tokens"))
+        return parse_reply(self._post(body))
 
     def _post(self, body: dict) -> dict:
         import httpx
@@ -72,7 +79,13 @@ class ChatClient:
                     raise RuntimeError(f"endpoint {self.url} unreachable after {attempt + 1} tries: {e}") from e
             else:
                 if r.status_code < 400:
-                    return r.json()
+                    try:
+                        return r.json()
+                    except ValueError:
+                        raise EndpointRequestError(r.status_code, "reply is not JSON", "endpoint:bad_reply")
+                if r.status_code in REFUSED:
+                    raise EndpointRefused(f"endpoint {self.url} refused the request ({r.status_code}): check "
+                                          f"{REFUSED[r.status_code]}")
                 if r.status_code != 429 and r.status_code < 500:
                     raise EndpointRequestError(r.status_code, r.text)
                 if last:
@@ -83,6 +96,23 @@ class ChatClient:
 
     def close(self) -> None:
         self._http.close()
+
+
+def parse_reply(data) -> Reply:
+    """A chat completion's first choice -> Reply; anything else (no choices, a non-text content, text
+    that is not valid Unicode) -> EndpointRequestError with reason endpoint:bad_reply."""
+    try:
+        choice = data["choices"][0]
+        content = choice["message"].get("content") or ""
+        finish = choice.get("finish_reason") or "stop"
+        n = (data.get("usage") or {}).get("completion_tokens")
+        if not isinstance(content, str) or not isinstance(finish, str) or not (n is None or isinstance(n, int)):
+            raise TypeError("field types")
+        content.encode("utf-8")  # a lone surrogate would fail the tokenizer later
+    except (KeyError, IndexError, TypeError, AttributeError, UnicodeEncodeError) as e:
+        raise EndpointRequestError(200, f"reply is not a chat completion ({type(e).__name__})",
+                                   "endpoint:bad_reply") from None
+    return Reply(content=content, finish_reason=finish, completion_tokens=n)
 
 
 def served_model(endpoint: str, fallback: str, api_key: str | None = None, timeout_s: float = 10.0) -> str:

@@ -449,7 +449,7 @@ def converse(client: ChatClient, c: Convo, turns: Turns, cfg: RegenConfig) -> Co
             reply = client.chat(msgs, budget, temperature, cfg.top_p,
                                 turn_seed(cfg.seed, c.rec.id, k) if cfg.do_sample else None)
         except EndpointRequestError as e:
-            c.reject = f"endpoint:{e.status}"
+            c.reject = e.reason
             break
         n = reply.completion_tokens
         if n is None:
