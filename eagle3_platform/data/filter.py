@@ -1,7 +1,7 @@
 """filtered_prompts: validate, dedupe, decontaminate and PII/DLP-filter prompt records (DESIGN §1, §4).
 
 Every line read ends up in exactly one of two files: kept prompt records, or rejection records with a
-reason. `kept + rejected == read` is asserted here and returned in the summary. Rejections carry id,
+reason. `kept + rejected == read` is checked here and returned in the summary. Rejections carry id,
 workload, source, stage, reason and input line only: never text, never the detected value.
 
 Checks, in order (the first that fails is the reason; every rejection carries its input `line`):
@@ -237,7 +237,8 @@ class _Run:
     def summary(self) -> dict:
         self.flush()
         n_kept, n_rej = len(self.kept), len(self.rejected)
-        assert n_kept + n_rej == self.read, f"accounting: kept {n_kept} + rejected {n_rej} != read {self.read}"
+        if n_kept + n_rej != self.read:  # not an assert: python -O must not drop the check
+            raise RuntimeError(f"accounting broken: kept {n_kept} + rejected {n_rej} != read {self.read}")
         dt = time.perf_counter() - self.t0
         return {"read": self.read, "kept": n_kept, "rejected": n_rej,
                 "by_reason": dict(sorted(Counter(r.reason for r in self.rejected).items())),
