@@ -236,15 +236,16 @@ def test_extract_features_accounting_and_values(tiny_target, tiny_target_dir, tm
            recs[2].model_copy(update={"id": "noresp", "loss_mask": [0] * len(recs[2].input_ids)}),
            recs[4].model_copy(update={"id": "longprompt", "loss_mask": [0] * 29 + [1]}),
            recs[5].model_copy(update={"id": "oov", "input_ids": [10_000] + recs[5].input_ids[1:]}),
+           recs[6].model_copy(update={"id": "maskval", "loss_mask": [-1] + recs[6].loss_mask[1:]}),
            recs[3]]  # same id again
     conv = _write_conv(tmp_path / "conv.jsonl", recs + bad, ["{not json"])
     cfg = replace(TINY, max_length=24)  # some conversations exceed it: truncated, counted
     s = extract_file(tiny_target_dir, conv, tmp_path / "out", cfg, target=tiny_target)
-    assert s["read"] == 16 and s["samples"] == 9 and s["rejected"] == 7
+    assert s["read"] == 17 and s["samples"] == 9 and s["rejected"] == 8
     assert s["read"] == s["samples"] + s["rejected"]
     assert s["by_reason"] == {"mismatch:template_hash": 1, "mismatch:target_id": 1,
                               "bad:no_response": 1, "bad:json": 1, "bad:too_long": 1,
-                              "bad:token_id": 1, "dup": 1}
+                              "bad:token_id": 1, "bad:mask_value": 1, "dup": 1}
     n_long = sum(len(r.input_ids) > 24 for r in recs + bad[3:4])
     assert s["truncated"] == n_long > 0
     assert s["shards"] == 3 and s["shards_written"] == 3  # 4 + 4 + 1 samples

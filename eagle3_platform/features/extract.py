@@ -121,6 +121,8 @@ def _parse(line: bytes, header: dict, vocab_size: int | None) -> tuple[Conversat
         return rec, "bad:empty"
     if len(rec.loss_mask) != len(rec.input_ids):
         return rec, "bad:mask_length"
+    if any(m not in (0, 1) for m in rec.loss_mask):
+        return rec, "bad:mask_value"  # shards store the mask as uint8: -1 would become 255
     if not any(rec.loss_mask):
         return rec, "bad:no_response"
     if vocab_size and not all(0 <= t < vocab_size for t in rec.input_ids):
