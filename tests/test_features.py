@@ -312,6 +312,21 @@ def test_rerun_skips_verified_shards_and_recomputes_corrupt(tiny_target, tiny_ta
     assert extract_file(tiny_target_dir, conv, out, TINY, target=tiny_target)["shards_written"] == 1
 
 
+def test_a_record_rewritten_under_its_id_gets_new_features(tiny_target, tiny_target_dir, tmp_path):
+    """Conversations regenerated under the same ids (a redacted prompt, another answer): a rerun into
+    the same dir must recompute the shards whose records' tokens changed, not keep the old ones."""
+    recs = _conversations(tiny_target, 10)
+    out = tmp_path / "out"
+    extract_file(tiny_target_dir, _write_conv(tmp_path / "conv.jsonl", recs), out, TINY, target=tiny_target)
+    other = _conversations(tiny_target, 11)[10]  # another conversation's tokens under record 5's id
+    recs[5] = recs[5].model_copy(update={"input_ids": other.input_ids, "loss_mask": other.loss_mask})
+    again = extract_file(tiny_target_dir, _write_conv(tmp_path / "conv2.jsonl", recs), out, TINY,
+                         target=tiny_target)
+    assert again["shards_written"] == 1 and again["shards_skipped"] == 2  # record 5 is in shard 1
+    ds = ShardDataset([out], expect=target_header(tiny_target, TINY))
+    assert ds[5]["input_ids"].tolist() == other.input_ids
+
+
 def test_storage_mirror_and_resume_from_storage(tiny_target, tiny_target_dir, tmp_path):
     conv = _write_conv(tmp_path / "conv.jsonl", _conversations(tiny_target, 7))
     store = LocalStorage(tmp_path / "bucket")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 from pydantic import ValidationError
+from safetensors import safe_open
 
 from eagle3_platform.compute import resolve_dtype
 from eagle3_platform.features.capture import forward_capture
@@ -210,13 +211,23 @@ class _Sink:
             self.mirror.publish(name)
 
 
-def _reusable(sink: _Sink, name: str, row: dict | None, header: dict, ids: list[str]) -> bool:
-    """A finished shard from an earlier run: sha256 vs manifest, header and record ids as expected."""
+def _reusable(sink: _Sink, name: str, row: dict | None, header: dict, chunk: list[dict]) -> bool:
+    """A finished shard from an earlier run: sha256 vs manifest, header, record ids and their tokens
+    and masks as expected (a conversations file rewritten under the same ids, e.g. after redaction,
+    must not keep the old features)."""
     if row is None or not sink.fetch(name, row):
         return False
+    path = sink.local / name
     try:
-        check_shard(sink.local / name, row, expect=header)
-        return json.loads(read_header(sink.local / name).get("sample_ids", "[]")) == ids
+        check_shard(path, row, expect=header)
+        if json.loads(read_header(path).get("sample_ids", "[]")) != [s["id"] for s in chunk]:
+            return False
+        with safe_open(str(path), "pt") as f:
+            same = all(f.get_tensor(k).tolist() == [v for s in chunk for v in s[k]]
+                       for k in ("input_ids", "loss_mask"))
+        if not same:
+            _log(f"recomputing {name}: its records' tokens changed")
+        return same
     except ShardError as e:
         _log(f"recomputing {name}: {e}")
         return False
@@ -280,9 +291,9 @@ def _run_shards(target, cfg, header, sink, slices) -> tuple[list[dict], list[str
     todo_tokens = sum(len(s["input_ids"]) for chunk in slices for s in chunk)
     done_tokens, t_compute, total = 0, 0.0, len(slices)
     for k, chunk in enumerate(slices):
-        name, ids = shard_name(k), [s["id"] for s in chunk]
+        name = shard_name(k)
         chunk_tokens = sum(len(s["input_ids"]) for s in chunk)
-        if _reusable(sink, name, previous.get(name), header, ids):
+        if _reusable(sink, name, previous.get(name), header, chunk):
             rows.append(previous[name])
             skipped.append(name)
             todo_tokens -= chunk_tokens
