@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from eagle3_platform.testing.synthetic import target_features
-from eagle3_platform.draft.train import PRESETS, batch_plan, epoch_batches, lr_at
+from eagle3_platform.draft.train import PRESETS, batch_plan, epoch_batches, lr_at, train
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -110,6 +110,19 @@ def test_resume_after_sigkill_matches_the_uninterrupted_run(tiny_target_dir, fea
     # batch) moves weights by ~lr per step, orders of magnitude beyond this tolerance
     for k in a:
         torch.testing.assert_close(b[k], a[k], atol=1e-6, rtol=1e-5, msg=k)
+
+
+def test_resume_refuses_a_checkpoint_made_on_other_data_in_the_same_dir(tiny_target_dir, tmp_path):
+    """Features re-extracted into the same dir with as many samples (other conversations): the
+    checkpoint was trained on other data, so --resume must refuse it, not go on from it."""
+    feats, out = tmp_path / "feats", tmp_path / "out"
+    cfg = replace(PRESETS["tiny"], epochs=1, num_threads=1)
+    target_features(tiny_target_dir, feats, n_samples=6, seed=0)
+    train(tiny_target_dir, [str(feats)], out, cfg)
+    assert train(tiny_target_dir, [str(feats)], out, cfg, resume=True)["resumed_from"] > 0  # same data
+    target_features(tiny_target_dir, feats, n_samples=6, seed=1)
+    with pytest.raises(ValueError, match="written for a different run"):
+        train(tiny_target_dir, [str(feats)], out, cfg, resume=True)
 
 
 @pytest.mark.integration

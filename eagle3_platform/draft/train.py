@@ -216,6 +216,8 @@ def _maybe_resume(out_dir: Path, resume: bool, draft, opt, fingerprint: dict) ->
         why = (str(e).splitlines() or [""])[0][:200]
         raise ValueError(f"checkpoint {ckpt} is unreadable ({type(e).__name__}: {why}); rerun without "
                          f"--resume to start fresh, or delete {ckpt}") from None
+    if "data_sha256" not in written_for:  # a checkpoint from before the data digest: the rest must agree
+        fingerprint = {k: v for k, v in fingerprint.items() if k != "data_sha256"}
     if written_for != fingerprint:
         raise ValueError(f"checkpoint {ckpt} was written for a different run (data/config); "
                          "use a new --out or drop --resume")
@@ -302,7 +304,7 @@ def train(target_dir, feature_dirs, out_dir, cfg: TrainConfig, resume: bool = Fa
     params = [p for _, p in named_trainable(draft)]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     # what determines the weights (thread count does not: it may change, and resume still works)
-    fingerprint = {"feature_dirs": feature_dirs, "samples": len(ds),
+    fingerprint = {"feature_dirs": feature_dirs, "samples": len(ds), "data_sha256": ds.content_sha256(),
                    "train": {k: v for k, v in _cfg_dict(cfg).items() if k != "num_threads"},
                    "target": expect, "total_steps": total}
     start, history = _maybe_resume(out_dir, resume, draft, opt, fingerprint)

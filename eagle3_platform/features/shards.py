@@ -12,6 +12,7 @@ The reader never deserialises a shard up front: it hashes files (streaming) and 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -315,6 +316,10 @@ class ShardDataset(torch.utils.data.Dataset):
     @property
     def shard_paths(self) -> list[Path]:
         return [p for p, _ in self._shards]
+
+    def content_sha256(self) -> str:
+        """One digest of every shard's manifest sha256, in order: what the dataset holds."""
+        return hashlib.sha256("\n".join(row["sha256"] for _, row in self._shards).encode()).hexdigest()
 
     def _handle(self, k: int):
         if os.getpid() != self._pid:  # forked DataLoader worker: mmap handles are per process
