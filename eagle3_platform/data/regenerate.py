@@ -20,6 +20,7 @@ uninterrupted one (sampling draws from one RNG per record and turn, seeded from 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 import threading
@@ -181,6 +182,20 @@ def _allowed_entities(source: str) -> tuple[str, ...]:
     return allowed_entities(source)
 
 
+def prompt_sha256(rec: PromptRecord) -> str:
+    """What a regenerated record was made from: its prompt turns, as the filter kept them."""
+    turns = json.dumps([m.model_dump() for m in rec.messages], sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(turns.encode()).hexdigest()
+
+
+def changed_prompts(out_path: Path, convos: list[Convo]) -> int:
+    """Records in out_path whose prompt is not the one the input now holds under their id (records
+    from before prompt hashes were written are not checked)."""
+    now = {c.rec.id: prompt_sha256(c.rec) for c in convos}
+    return sum(1 for row in read_jsonl(out_path, tolerate_torn_tail=True)
+               if (made := (row.get("generation") or {}).get("prompt_sha256")) and now.get(row.get("id")) != made)
+
+
 def finalize(c: Convo, tok, scanner, meta: dict, gen: dict) -> ConversationRecord | Rejection:
     """The conversation's one output row: a record with ids + mask, or a rejection with a reason."""
     answers = [m["content"] for m in c.history if m["role"] == "assistant"]
@@ -193,7 +208,8 @@ def finalize(c: Convo, tok, scanner, meta: dict, gen: dict) -> ConversationRecor
     if reason is not None:
         return Rejection(id=c.rec.id, workload=c.rec.workload, source=c.rec.source, stage=STAGE, reason=reason)
     generation = {**gen, "finish_reasons": c.finish, "finish_reason": c.finish[-1],
-                  "new_tokens": c.new_tokens, "dropped_turns": c.dropped_turns}
+                  "new_tokens": c.new_tokens, "dropped_turns": c.dropped_turns,
+                  "prompt_sha256": prompt_sha256(c.rec)}
     return ConversationRecord(**c.rec.model_dump(exclude={"messages"}), messages=c.history,
                               input_ids=ids, loss_mask=mask, template_hash=template_hash(tok),
                               target_id=meta["target_id"], generation=generation)
@@ -273,6 +289,10 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
         if foreign:
             raise ValueError(f"{out_path} / {rejected_path} hold {len(foreign)} records that are not in "
                              f"{in_path}; write to a fresh --out")
+        changed = changed_prompts(out_path, prompts.convos)
+        if changed:  # e.g. prompts redacted since: the old answers (and prompts) must not be kept
+            raise ValueError(f"{out_path} holds {changed} records whose ids {in_path} now gives other prompts; "
+                             "use a fresh --out, or --restart to discard them")
         for r in prompts.rejected:  # rejected while reading: deterministic, so a resume skips them by id
             if r.id not in done:
                 rej.append(r)
