@@ -110,3 +110,21 @@ def test_a_worker_stopped_by_a_bug_answers_held_jobs_and_refuses_new_ones():
     assert events == [("error", "engine worker stopped")] and worker.outstanding == 0
     with pytest.raises(QueueFull, match="engine worker stopped"):
         worker.submit(Job(list(range(4)), max_new_tokens=2, emit=_recorder(events)))
+
+
+def test_a_worker_stopped_by_a_bug_fails_the_requests_it_was_decoding():
+    worker = EngineWorker(FakeEngine(list(range(10, 20)), chunk=1), max_queue=8)
+    drop, loops = worker._drop_cancelled, []
+
+    def buggy(batch):  # a bug outside the engine calls, on the third loop
+        loops.append(1)
+        if len(loops) == 3:
+            raise RuntimeError("worker bug")
+        drop(batch)
+    worker._drop_cancelled = buggy
+    events = []
+    worker.submit(Job(list(range(4)), max_new_tokens=100, emit=_recorder(events)))
+    worker.start()
+    worker._thread.join(10)
+    assert [e[0] for e in events[:-1]] == ["tokens"] * 3  # prefill + two steps
+    assert events[-1] == ("error", "engine worker stopped") and worker.outstanding == 0

@@ -135,16 +135,17 @@ class EngineWorker:
     def _run(self) -> None:
         """The loop; whatever ends it, every held job gets its terminal event and later submits get a
         503: a worker that died of a bug must not leave clients waiting on a queue nobody reads."""
+        crashed = False
         try:
             self._batch = self.engine.batch()
             self._loop()
         except Exception:
             log.exception("engine worker stopped by an unexpected error")
-            self._stop_reason = "engine worker stopped"
+            crashed, self._stop_reason = True, "engine worker stopped"
         finally:
             with self._lock:
                 self._stopping = True
-            self._shutdown(self._batch)
+            self._shutdown(self._batch, crashed)
 
     def _loop(self) -> None:
         while True:
@@ -294,12 +295,17 @@ class EngineWorker:
         with self._lock:
             self._outstanding -= 1
 
-    def _shutdown(self, batch) -> None:
-        """Every job still held gets a terminal event so no handler waits forever."""
+    def _shutdown(self, batch, crashed: bool = False) -> None:
+        """Every job still held gets a terminal event so no handler waits forever: what was begun ends
+        as cancelled (a shutdown) or failed (the worker crashed), what was queued gets an error."""
         begun = [j for j in self._waiting if j.request is not None]
         for job in self._running + begun:
             job.cancelled.set()
-            self._end(batch, job)
+            if crashed:
+                self._close(batch, job)
+                self._fail(job, self._stop_reason)
+            else:
+                self._end(batch, job)
         self._running, self._waiting = [], [j for j in self._waiting if j.request is None]
         while True:
             try:
