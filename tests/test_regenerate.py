@@ -247,7 +247,7 @@ def test_rerun_is_a_noop_and_foreign_output_is_refused(tiny_target_dir, tmp_path
     # the same ids with other prompts (redacted since, say): the old records must not be kept
     redacted = [dict(p, messages=[dict(m, content="<PERSON> asks: " + m["content"]) for m in p["messages"]])
                 for p in prompts]
-    with pytest.raises(ValueError, match="3 records whose ids .* now gives other prompts"):
+    with pytest.raises(ValueError, match="3 records made from other prompts than .* now has under their ids"):
         regenerate_file(tiny_target_dir, write_prompts(tmp_path / "redacted.jsonl", redacted), out, TINY,
                         scanner=NoScan())
     assert out.read_bytes() == before

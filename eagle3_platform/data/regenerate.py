@@ -291,8 +291,8 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
                              f"{in_path}; write to a fresh --out")
         changed = changed_prompts(out_path, prompts.convos)
         if changed:  # e.g. prompts redacted since: the old answers (and prompts) must not be kept
-            raise ValueError(f"{out_path} holds {changed} records whose ids {in_path} now gives other prompts; "
-                             "use a fresh --out, or --restart to discard them")
+            raise ValueError(f"{out_path} holds {changed} records made from other prompts than {in_path} now "
+                             "has under their ids; use a fresh --out, or --restart to discard them")
         for r in prompts.rejected:  # rejected while reading: deterministic, so a resume skips them by id
             if r.id not in done:
                 rej.append(r)
