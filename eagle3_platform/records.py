@@ -220,6 +220,16 @@ def write_jsonl_atomic(path: str | Path, rows: Iterable[BaseModel | dict]) -> in
     return n
 
 
+def write_json_atomic(path: str | Path, obj: object) -> None:
+    """One JSON document, written beside and renamed over path: never seen half-written. A per-process
+    temp name, so two processes filling a shared cache do not write into each other's file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj), encoding="utf-8")
+    os.replace(tmp, path)
+
+
 class JsonlAppender:
     """Append-only JSONL writer for resumable jobs: one fsynced line per record.
 

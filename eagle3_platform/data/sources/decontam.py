@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 import string
 import sys
 import unicodedata
@@ -17,7 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from eagle3_platform.paths import cache_root
-from eagle3_platform.records import sha256_file
+from eagle3_platform.records import sha256_file, write_json_atomic
 
 
 @functools.cache
@@ -41,13 +40,6 @@ def cache_dir() -> Path:
     return cache_root() / "sources"
 
 
-def _write_json_atomic(path: Path, obj: object) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj), encoding="utf-8")
-    os.replace(tmp, path)
-
-
 _HASHES: dict[str, str] = {}
 
 
@@ -68,7 +60,7 @@ def file_sha256(path: Path) -> str:
         stored = {k: v for k, v in stored.items() if not k.startswith(prefix)}  # stale versions
         stored[key] = sha256_file(path)
         try:  # a cache, not a record: losing a race with another process only costs a re-hash
-            _write_json_atomic(disk, stored)
+            write_json_atomic(disk, stored)
         except OSError:
             pass
     _HASHES[key] = stored[key]
@@ -88,7 +80,7 @@ def cached_eval_keys(fingerprint: str, compute: Callable[[], set[str]]) -> froze
     except (OSError, ValueError):
         keys = frozenset(compute())
         try:
-            _write_json_atomic(disk, sorted(keys))
+            write_json_atomic(disk, sorted(keys))
         except OSError:
             pass
     _EVAL_KEYS[fingerprint] = keys
