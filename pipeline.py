@@ -27,9 +27,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 RUN_CONFIG = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
 # Facts shown in the progress line of a step (from its materialization metadata).
-FACTS = ("read", "kept", "rejected", "written", "samples", "tokens", "new_tokens", "draft_vocab_size", "coverage",
-         "steps", "train_simulated_acceptance", "heldout_simulated_acceptance", "mode", "url", "smoke_latency_s",
-         "eagle3_tau", "tpot_speedup", "failures")
+FACTS = ("read", "kept", "rejected", "written", "samples", "tokens", "new_tokens", "time_spent_s",
+         "draft_vocab_size", "coverage", "steps", "train_simulated_acceptance", "heldout_simulated_acceptance",
+         "mode", "url", "smoke_latency_s", "eagle3_tau", "tpot_speedup", "failures")
 
 
 def log(msg: str) -> None:

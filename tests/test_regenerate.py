@@ -632,3 +632,99 @@ def test_progress_counts_answered_turns_before_a_conversation_is_written(tiny_ta
     assert any("0/3 conversations, 0 new tokens (+" in line for line in lines)  # turn 1 answered, none written
     assert lines[-1].startswith("[regenerate] 3/3 conversations") and "unfinished" not in lines[-1]
     assert s["new_tokens"] == sum(sum(r["generation"]["new_tokens"]) for r in read_jsonl(tmp_path / "out.jsonl"))
+
+
+# ----------------------------------------------------------------------------------- time budget
+
+def spend_per_answer(monkeypatch) -> None:
+    """The time budget's clock counts answered turns instead of seconds, so where it runs out does not
+    depend on the machine's speed."""
+    import eagle3_platform.data.regenerate as regen
+
+    answered = [0]
+    answer = regen.Turns.answer
+
+    def counting(self, *a, **k):
+        answered[0] += 1
+        return answer(self, *a, **k)
+
+    monkeypatch.setattr(regen.Turns, "answer", counting)
+    monkeypatch.setattr(regen.TimeBudget, "spent", lambda self: self.before + answered[0])
+
+
+def test_plan_windows_are_random_draws_in_length_order_when_a_budget_may_cut_them():
+    from eagle3_platform.data.regenerate import Convo, plan_windows
+    from eagle3_platform.records import prompt_from_row
+
+    convos = [Convo(prompt_from_row(prompt_record(i, ["x" * (i + 1)])), []) for i in range(40)]
+    length = lambda c: len(c.rec.messages[0].content)  # noqa: E731
+    by_length = plan_windows(convos, length, 10, seed=0, shuffled=False)
+    assert [[length(c) for c in w] for w in by_length] == [list(range(i + 1, i + 11)) for i in range(0, 40, 10)]
+    drawn = plan_windows(convos, length, 10, seed=0, shuffled=True)
+    assert sorted(c.rec.id for w in drawn for c in w) == sorted(c.rec.id for c in convos)  # each record once
+    assert all([length(c) for c in w] == sorted(length(c) for c in w) for w in drawn)
+    assert max(length(c) for c in drawn[0]) > 10  # not the 10 shortest: a cut after it is no length cut
+    again = plan_windows(list(reversed(convos)), length, 10, seed=0, shuffled=True)
+    assert [[c.rec.id for c in w] for w in again] == [[c.rec.id for c in w] for w in drawn]  # resume: same plan
+
+
+def test_a_spent_time_budget_defers_what_has_not_begun_and_a_rerun_with_budget_left_takes_it_up(
+        tiny_target_dir, tok, tmp_path, monkeypatch, varied_regen):
+    prompts = mixed_prompts(12)
+    inp = write_prompts(tmp_path / "in.jsonl", prompts)
+    cfg = replace(TINY, batch_size=2, window_batches=1)
+    ref = tmp_path / "ref.jsonl"  # no budget: every conversation in full (fp32: batch companions do not matter)
+    regenerate_file(tiny_target_dir, inp, ref, cfg, scanner=NoScan())
+    want = {r["id"]: r for r in read_jsonl(ref)}
+
+    spend_per_answer(monkeypatch)
+    out, rej = tmp_path / "out.jsonl", tmp_path / "rej.jsonl"
+    budget = replace(cfg, time_budget_s=4)  # spent after 4 answered turns
+    s = regenerate_file(tiny_target_dir, inp, out, budget, rejected_path=rej, scanner=NoScan())
+    deferred = s["by_reason"].get("budget:time", 0)
+    assert s["read"] == s["written"] + s["rejected"] == 12 and s["rejected"] == deferred >= 6
+    rows = list(read_jsonl(out))
+    answered = sum(len(r["generation"]["new_tokens"]) for r in rows)
+    assert 4 <= answered <= 4 + cfg.batch_size - 1  # soft: answers being written when it ran out finish
+    check_records(rows, prompts, tok, "tiny-random")
+    for r in rows:  # a conversation cut between turns keeps the turns it had: the full run's first ones
+        n = len(r["messages"])
+        assert r["messages"] == want[r["id"]]["messages"][:n]
+        assert r["input_ids"] == want[r["id"]]["input_ids"][:len(r["input_ids"])]
+    assert json.loads((tmp_path / "out.jsonl.budget.json").read_text())["spent_s"] >= 4
+
+    before = (out.read_bytes(), rej.read_bytes())
+    again = regenerate_file(tiny_target_dir, inp, out, budget, rejected_path=rej, scanner=NoScan())
+    assert (again["deferred_retried"], again["new_tokens"]) == (0, 0)  # spent: a rerun changes nothing
+    assert (out.read_bytes(), rej.read_bytes()) == before
+
+    more = regenerate_file(tiny_target_dir, inp, out, replace(cfg, time_budget_s=10**6), rejected_path=rej,
+                           scanner=NoScan())
+    assert more["deferred_retried"] == deferred and more["by_reason"] == {}
+    assert more["read"] == more["written"] == 12
+    got = {r["id"]: r for r in read_jsonl(out)}
+    full = {i for i, r in got.items() if not r["generation"]["dropped_turns"]}
+    assert len(got) == 12 and {i: got[i] for i in full} == {i: want[i] for i in full}
+
+
+def test_an_endpoint_run_stops_starting_conversations_when_its_budget_is_spent(tiny_target_dir, tmp_path,
+                                                                             fake_server, monkeypatch):
+    spend_per_answer(monkeypatch)
+    fake_server.fail_left = 0
+    inp = write_prompts(tmp_path / "in.jsonl", mixed_prompts(8))
+    cfg = replace(FAST_RETRY, concurrency=1, time_budget_s=3)
+    s = regenerate_file(tiny_target_dir, inp, tmp_path / "out.jsonl", cfg, endpoint=fake_server.url + "/v1",
+                        scanner=NoScan())
+    assert len(fake_server.requests) == 3  # one conversation at a time: nothing is asked once it is spent
+    assert s["read"] == s["written"] + s["rejected"] == 8 and s["by_reason"] == {"budget:time": s["rejected"]}
+    assert s["written"] >= 1 and s["rejected"] >= 5
+
+
+def test_cli_time_budget_minutes_override_the_presets_and_zero_lifts_it():
+    from eagle3_platform.data.stages import RegenerateRequest, regen_config
+
+    req = dict(target="t", in_path="i", out="o")
+    assert regen_config(RegenerateRequest(preset="cpu", **req)).time_budget_s == 14 * 60
+    assert regen_config(RegenerateRequest(preset="cpu", time_budget_s=90, **req)).time_budget_s == 90
+    assert regen_config(RegenerateRequest(preset="cpu", time_budget_s=0, **req)).time_budget_s is None
+    assert regen_config(RegenerateRequest(preset="demo", **req)).time_budget_s is None

@@ -53,6 +53,10 @@ def add_commands(sub) -> None:
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy; > 0 samples")
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None, help="sampling: per-record seeds derive from it")
+    p.add_argument("--time-budget-min", type=float, default=None,
+                   help="wall minutes this output may take, counted across resumes; conversations not "
+                        "begun by then are deferred (budget:time) and retried by a rerun with budget left "
+                        "(default: the preset's; 0 = no limit)")
     p.add_argument("--no-scan-responses", action="store_true", help="skip the PII/DLP scan of responses")
     p.add_argument("--restart", action="store_true",
                    help="discard what --out/--rejected hold (e.g. written for another target) and start fresh")
@@ -76,5 +80,5 @@ def cmd_regenerate(a) -> dict:
         target=a.target, in_path=a.in_path, out=a.out, rejected=a.rejected, preset=a.preset,
         max_new_tokens=a.max_new_tokens, max_length=a.max_length, batch_size=a.batch_size,
         concurrency=a.concurrency, temperature=a.temperature, top_p=a.top_p, seed=a.seed,
-        endpoint=a.endpoint, api_key=a.api_key, scan_responses=not a.no_scan_responses, restart=a.restart,
+        time_budget_s=None if a.time_budget_min is None else a.time_budget_min * 60, endpoint=a.endpoint, api_key=a.api_key, scan_responses=not a.no_scan_responses, restart=a.restart,
         dtype=a.dtype, torch_threads=a.threads))

@@ -132,17 +132,20 @@ def generate_batch(model, prompts: list[list[int]], max_new: list[int], stop_ids
 @torch.no_grad()
 def decode_stream(model, queue: deque[Request], on_done: Callable[[Request, Generated], None],
                   stop_ids: set[int], pad_id: int, sampling: Sampling = Sampling(),
-                  max_rows: int | None = None, budget: int | None = None) -> None:
+                  max_rows: int | None = None, budget: int | None = None,
+                  closed: Callable[[], bool] | None = None) -> None:
     """Answer every request of `queue`, in queue order, as one continuous batch of at most max_rows
     rows and rows x the longest row's reserve <= budget KV slots. Once 1/TURNOVER of the rows have
     finished they leave together (on_done for each; it may queue a follow-up request, e.g. the
     conversation's next turn) and the next requests that fit join in their place: one copy of the
     cache per such turnover, and no batch tail waiting on its longest answer while prompts wait.
     Invariant: a row's tokens do not depend on its companions (positions count its own tokens, the
-    mask hides every other slot): exactly per-prompt `generate` in fp32, up to rounding in bf16."""
+    mask hides every other slot): exactly per-prompt `generate` in fp32, up to rounding in bf16.
+    Once `closed()`, no request joins: the rows running finish, and what is left in the queue stays
+    there for the caller."""
     rows: _Rows | None = None
     while True:
-        new = _admit(queue, rows, max_rows, budget)
+        new = [] if closed is not None and closed() else _admit(queue, rows, max_rows, budget)
         if new or (rows is not None and rows.departed):
             rows = _Rows.rebuild(model, rows, new, pad_id, sampling)
         if rows is None:

@@ -35,9 +35,11 @@ from eagle3_platform.data.chat import BoundaryError, encode, eos_token_ids, rend
 from eagle3_platform.data.endpoint import ChatClient, EndpointRequestError, served_model
 from eagle3_platform.records import (BadRecord, ConversationRecord, JsonlAppender, PromptRecord, Rejection,
                                      ignored_summary, line_rejection, parse_line, prompt_from_row, read_jsonl,
-                                     read_lines, top_reasons, unknown_keys, usable_id)
+                                     read_lines, top_reasons, unknown_keys, usable_id, write_json_atomic,
+                                     write_jsonl_atomic)
 
 STAGE = "target_responses"
+DEFERRED = "budget:time"  # a conversation the time budget left unstarted: retried by a run with budget left
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,11 @@ class RegenConfig:
     # local: records planned together, in batches' worth. Within a window the batch refills as answers
     # end; a resumed run redoes the window it stopped in (same companions, so the same records).
     window_batches: int = 4
+    # wall seconds this output may take to regenerate, counted across resumes (a sidecar beside the
+    # output keeps what earlier runs spent); None = no limit. Soft: once spent nothing new starts (a
+    # conversation not begun is deferred, `budget:time`; one begun keeps the turns answered so far)
+    # and the answers being written finish. A later run with budget left retries the deferred.
+    time_budget_s: float | None = None
     dtype: str = "auto"  # local compute dtype: auto = bf16 where the hardware has it (compute.py)
     torch_threads: int = 0  # local: 0 = all cores (the step runs alone); >0 pins (a shared box)
     # local multi-turn: keep each conversation's KV cache between turns (False re-prefills the whole
@@ -86,8 +93,13 @@ PRESETS: dict[str, RegenConfig] = {
                         seed=0, max_length=1024, concurrency=4),
     # CPU training run: more and longer answers; up to 128 rows where prompts are short (bf16 throughput
     # still grows to batch 128 on 2 cores), fewer for long ones (batch_tokens).
+    # cpu: 14 min a partition's training split keeps `eagle3 run --preset cpu` within 2 h on a box with
+    # no bf16 (fp32 on the 4-bit codes: 20-140 tok/s) where 400 prompts a partition took 4 h 51 min; on a
+    # bf16 box (250-460 tok/s) the prompt limit binds first. Windows of one batch: what a budget leaves
+    # unstarted is a random sample plus the longest of the window in progress, not the longest overall.
     "cpu": RegenConfig(max_new_tokens=256, batch_size=128, do_sample=False, temperature=0.0, top_p=1.0,
-                       seed=0, max_length=1536, concurrency=4, batch_tokens=24576),
+                       seed=0, max_length=1536, concurrency=4, batch_tokens=24576, window_batches=1,
+                       time_budget_s=14 * 60),
     # Production: sampled answers (diversity) at the target's usual settings, usually via SGLang/vLLM.
     "full": RegenConfig(max_new_tokens=1024, batch_size=32, do_sample=True, temperature=0.7, top_p=0.95,
                         seed=0, max_length=4096, concurrency=64),
@@ -249,6 +261,47 @@ class Progress:
         return (self.tokens + self.in_flight) / max(time.perf_counter() - self.t0, 1e-9)
 
 
+class TimeBudget:
+    """The wall time an output may take (RegenConfig.time_budget_s), counted across resumes: what earlier
+    runs spent is kept in a sidecar beside the output. `over()` is what the back ends ask before they
+    start a conversation or a turn."""
+
+    def __init__(self, limit_s: float | None, path: Path):
+        self.limit_s, self.path, self.t0 = limit_s, path, time.monotonic()
+        self.before = 0.0
+        if limit_s is not None and path.exists():
+            try:
+                self.before = float(json.loads(path.read_text(encoding="utf-8"))["spent_s"])
+            except (ValueError, KeyError, TypeError):  # written atomically, so only a hand edit gets here
+                print(f"[regenerate] {path} is unreadable: the time budget starts afresh", file=sys.stderr)
+
+    def spent(self) -> float:
+        return self.before + time.monotonic() - self.t0
+
+    def over(self) -> bool:
+        return self.limit_s is not None and self.spent() >= self.limit_s
+
+    def save(self) -> None:
+        if self.limit_s is not None:
+            write_json_atomic(self.path, {"spent_s": round(self.spent(), 3), "limit_s": self.limit_s})
+
+
+def budget_path(out_path: Path) -> Path:
+    return out_path.with_name(out_path.name + ".budget.json")
+
+
+def retry_deferred(rejected_path: Path) -> int:
+    """Drops the `budget:time` rejections from rejected_path (atomically), so this run takes those
+    conversations up again; returns how many."""
+    if not rejected_path.exists():
+        return 0
+    rows = list(read_jsonl(rejected_path, tolerate_torn_tail=True))
+    keep = [r for r in rows if r.get("reason") != DEFERRED]
+    if len(keep) < len(rows):
+        write_jsonl_atomic(rejected_path, keep)
+    return len(rows) - len(keep)
+
+
 def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "demo", endpoint: str | None = None,
                     rejected_path=None, scanner=None, api_key: str | None = None, restart: bool = False) -> dict:
     """Regenerate every kept prompt record in `in_path` into ConversationRecords in `out_path`.
@@ -282,6 +335,10 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
     if endpoint:
         gen["endpoint"] = _public_url(endpoint)
     check_resume_key(out_path, rejected_path, resume_key(meta, tok, gen), restart)
+    if restart:
+        budget_path(out_path).unlink(missing_ok=True)
+    clock = TimeBudget(cfg.time_budget_s, budget_path(out_path))
+    retried = 0 if clock.over() else retry_deferred(rejected_path)
     t0 = time.perf_counter()
     with JsonlAppender(out_path) as out, JsonlAppender(rejected_path) as rej:
         done = out.done_ids() | rej.done_ids()
@@ -303,14 +360,21 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
             row = finalize(c, tok, scanner or None, meta, gen)
             (out if isinstance(row, ConversationRecord) else rej).append(row)
             progress.add(1, sum(c.new_tokens))
+            clock.save()
 
         turns = Turns(tok, cfg, on_answer=progress.turn)
-        if endpoint:
-            run_endpoint(endpoint, convos, turns, cfg, done, emit, meta, api_key)
-        else:
-            run_local(target_dir, convos, turns, cfg, done, emit)
+        try:
+            if endpoint:
+                run_endpoint(endpoint, convos, turns, cfg, done, emit, meta, api_key, clock)
+            else:
+                run_local(target_dir, convos, turns, cfg, done, emit, clock)
+        finally:
+            clock.save()
     summary = summarize(prompts, out_path, rejected_path, len(done), progress, time.perf_counter() - t0, meta,
                         tok)
+    if cfg.time_budget_s is not None:
+        summary.update(time_budget_s=cfg.time_budget_s, time_spent_s=round(clock.spent(), 1),
+                       deferred_retried=retried)
     if not summary["written"]:
         raise ValueError(f"0 of {summary['read']} records written to {out_path}"
                          + (f" ({top_reasons(summary['by_reason'])}; see {rejected_path})" if summary["read"]
@@ -344,7 +408,7 @@ def check_resume_key(out_path: Path, rejected_path: Path, key: dict, restart: bo
         if diff:
             raise ValueError(f"{out_path} was written with another target or settings ({'; '.join(diff)}); "
                              "use a fresh --out, or --restart to discard it")
-    elif rejected_path.exists() and any(r.get("line") is None
+    elif rejected_path.exists() and any(r.get("line") is None and r.get("reason") != DEFERRED
                                             for r in read_jsonl(rejected_path, tolerate_torn_tail=True)):
         # rejections made while generating (too long, PII in an answer) depend on target and settings,
         # and with no record written there is nothing to check them against
@@ -401,13 +465,27 @@ def read_prompts(in_path) -> Prompts:
     return p
 
 
-def run_local(target_dir, convos: list[Convo], turns: Turns, cfg: RegenConfig, done: set[str], emit) -> None:
-    """Continuous batched decoding on the local target, window by window: each window is
-    window_batches x batch_size records of the plan (all records sorted by first-prompt length), and a
-    resumed run redoes the window it stopped in with exactly the same companions, so its records come
-    out as an uninterrupted run's."""
+def plan_windows(convos: list[Convo], length: Callable[[Convo], int], size: int, seed: int,
+                 shuffled: bool) -> list[list[Convo]]:
+    """Windows of `size` records, each in first-prompt length order (rows of like length batch well).
+    Unshuffled, the windows cut the length order of all records: the most alike. Shuffled (a time
+    budget may stop anywhere), each window is a seeded random draw, so the records a budget leaves
+    unstarted are a random sample, but for the longest of the window in progress. Either way the plan
+    depends only on the records, so a resumed run plans the same windows."""
+    order = sorted(convos, key=lambda c: turn_seed(seed, c.rec.id, -1)) if shuffled else sorted(convos, key=length)
+    return [sorted(order[i:i + size], key=length) for i in range(0, len(order), size)]
+
+
+def run_local(target_dir, convos: list[Convo], turns: Turns, cfg: RegenConfig, done: set[str], emit,
+              clock: TimeBudget | None = None) -> None:
+    """Continuous batched decoding on the local target, window by window (plan_windows): a resumed run
+    redoes the window it stopped in with exactly the same companions, so its records come out as an
+    uninterrupted run's. Once the time budget is spent, the conversations of later windows are deferred
+    without loading the target."""
     from eagle3_platform.compute import set_threads
     from eagle3_platform.target import load_target
+
+    clock = clock or TimeBudget(None, Path())
 
     for c in convos:
         if c.reject is None:
@@ -418,25 +496,32 @@ def run_local(target_dir, convos: list[Convo], turns: Turns, cfg: RegenConfig, d
     live = [c for c in convos if c.reject is None]
     if all(c.rec.id in done for c in live):
         return
-    set_threads(cfg.torch_threads)
-    target = load_target(target_dir, dtype=cfg.dtype, pack=cfg.packed_linears)
     lengths = {c.rec.id: len(render_prompt(turns.tok, c.segments[0])) for c in live}
-    plan = sorted(live, key=lambda c: lengths[c.rec.id])  # stable
-    budget = min(cfg.batch_tokens, kv_token_budget(target.model))
-    size = cfg.window_batches * cfg.batch_size
+    plan = plan_windows(live, lambda c: lengths[c.rec.id], cfg.window_batches * cfg.batch_size, cfg.seed,
+                        shuffled=cfg.time_budget_s is not None)
+    target = None
 
     def emit_new(c: Convo) -> None:  # a redone window's records already written are not written again
         if c.rec.id not in done:
             emit(c)
 
-    for window in (plan[i:i + size] for i in range(0, len(plan), size)):
+    for window in plan:
         if all(c.rec.id in done for c in window):
             continue
-        decode_conversations(target.model, window, turns, cfg, budget, emit_new)
+        if clock.over():
+            for c in window:
+                c.reject = DEFERRED
+                emit_new(c)
+            continue
+        if target is None:
+            set_threads(cfg.torch_threads)
+            target = load_target(target_dir, dtype=cfg.dtype, pack=cfg.packed_linears)
+            budget = min(cfg.batch_tokens, kv_token_budget(target.model))
+        decode_conversations(target.model, window, turns, cfg, budget, emit_new, clock.over)
 
 
 def run_endpoint(endpoint: str, convos: list[Convo], turns: Turns, cfg: RegenConfig, done: set[str], emit,
-                 meta: dict, api_key: str | None) -> None:
+                 meta: dict, api_key: str | None, clock: TimeBudget | None = None) -> None:
     """The endpoint back end: a pool of cfg.concurrency worker threads, one conversation per task, its
     turns asked in order; rows are written from the calling thread only (the appenders are not shared)."""
     model = served_model(endpoint, meta["target_id"], api_key)
@@ -444,7 +529,7 @@ def run_endpoint(endpoint: str, convos: list[Convo], turns: Turns, cfg: RegenCon
     todo = [c for c in convos if c.rec.id not in done]
     try:
         with ThreadPoolExecutor(max_workers=cfg.concurrency) as pool:
-            futures = [pool.submit(converse, client, c, turns, cfg) for c in todo]
+            futures = [pool.submit(converse, client, c, turns, cfg, clock) for c in todo]
             try:
                 for f in as_completed(futures):
                     emit(f.result())
@@ -456,10 +541,14 @@ def run_endpoint(endpoint: str, convos: list[Convo], turns: Turns, cfg: RegenCon
         client.close()
 
 
-def converse(client: ChatClient, c: Convo, turns: Turns, cfg: RegenConfig) -> Convo:
+def converse(client: ChatClient, c: Convo, turns: Turns, cfg: RegenConfig, clock: TimeBudget | None = None
+             ) -> Convo:
     """Asks the endpoint for each turn of one conversation in order (a worker thread)."""
     temperature = cfg.temperature if cfg.do_sample else 0.0
     for k in range(len(c.segments) if c.reject is None else 0):
+        if clock is not None and clock.over():
+            stop_for_time(c, k)
+            break
         with turns.lock:  # tokenizer + template rendering stay on one thread at a time
             nxt = turns.next(c, k)
         if nxt is None:
@@ -491,12 +580,23 @@ def kv_token_budget(model, fraction: float = 0.25) -> int:
     return max(1, int(ram * fraction) // per_token)
 
 
+def stop_for_time(c: Convo, k: int) -> None:
+    """The time budget is spent before turn k: a conversation not begun is deferred; a begun one keeps
+    the turns answered (as when max_length runs out)."""
+    if k == 0:
+        c.reject = DEFERRED
+    else:
+        c.dropped_turns = len(c.segments) - k
+
+
 def decode_conversations(model, convos: list[Convo], turns: Turns, cfg: RegenConfig, budget: int,
-                         finished: Callable[[Convo], None]) -> None:
+                         finished: Callable[[Convo], None], out_of_time: Callable[[], bool] | None = None
+                         ) -> None:
     """Every turn of these conversations, as one continuous batch (local_gen.decode_stream) of at most
     batch_size rows and `budget` KV slots: a conversation's next turn joins as soon as its answer is
     in, reusing its KV cache (local_gen.Prefix: the turn prefills only the new user message), and
-    `finished(c)` runs when a conversation has no turn left."""
+    `finished(c)` runs when a conversation has no turn left. Once `out_of_time()`, no turn starts: the
+    answers being written finish, and the turns left are stop_for_time's."""
     from eagle3_platform.data.local_gen import Request, Sampling, decode_stream
 
     sampling = Sampling(cfg.do_sample, cfg.temperature, cfg.top_p)
@@ -528,7 +628,12 @@ def decode_conversations(model, convos: list[Convo], turns: Turns, cfg: RegenCon
             finished(c)
         else:
             queue.append(first)
-    decode_stream(model, queue, answered, turns.stop_ids, pad_id, sampling, cfg.batch_size, budget)
+    decode_stream(model, queue, answered, turns.stop_ids, pad_id, sampling, cfg.batch_size, budget,
+                  closed=out_of_time)
+    for r in queue:  # left unstarted by the time budget
+        c, k, _ = r.tag
+        stop_for_time(c, k)
+        finished(c)
 
 
 def summarize(prompts: Prompts, out_path: Path, rejected_path: Path, resumed: int, progress: Progress,

@@ -5,6 +5,7 @@ request comes from an asset, a Pipes worker or `eagle3 sources | filter | regene
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
@@ -55,6 +56,7 @@ class RegenerateRequest(ComputeRequest):
     temperature: float | None = Field(default=None, ge=0)  # 0 = greedy; > 0 samples
     top_p: float | None = Field(default=None, gt=0, le=1)
     seed: int | None = None
+    time_budget_s: float | None = Field(default=None, ge=0)  # None: the preset's; 0: no limit
     endpoint: str | None = None  # OpenAI-compatible base URL; None = the local target
     api_key: str | None = Field(default=None, repr=False)
     scan_responses: bool = True
@@ -114,10 +116,11 @@ def regen_config(req: RegenerateRequest):
     from eagle3_platform.data.regenerate import resolve_config
 
     t = req.temperature
-    return resolve_config(req.platform().regen, max_new_tokens=req.max_new_tokens, max_length=req.max_length,
-                          batch_size=req.batch_size, concurrency=req.concurrency, seed=req.seed,
-                          temperature=t, top_p=req.top_p, do_sample=None if t is None else t > 0,
-                          **req.compute_overrides())
+    cfg = resolve_config(req.platform().regen, max_new_tokens=req.max_new_tokens, max_length=req.max_length,
+                         batch_size=req.batch_size, concurrency=req.concurrency, seed=req.seed,
+                         temperature=t, top_p=req.top_p, do_sample=None if t is None else t > 0,
+                         time_budget_s=req.time_budget_s, **req.compute_overrides())
+    return replace(cfg, time_budget_s=None) if req.time_budget_s == 0 else cfg
 
 
 def run_regenerate(req: RegenerateRequest) -> dict:
