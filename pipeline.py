@@ -50,12 +50,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dagster-home", default=None, help="default: $DAGSTER_HOME or ./.dagster_home")
     p.add_argument("--dtype", default=None, help="compute dtype override: auto | bfloat16 | float32")
     p.add_argument("--threads", type=int, default=None, help="torch threads override (0 = every core)")
+    p.add_argument("--regen-budget-min", type=float, default=None,
+                   help="regeneration wall minutes per partition and split, across resumes (default: the "
+                        "preset's; 0 = no limit); a rerun with more takes up what a smaller one deferred")
     p.add_argument("--force", action="store_true", help="rebuild steps that are neither missing nor stale")
     a = p.parse_args(argv)
     a.workloads = [w for w in a.workloads.split(",") if w]
     bad = sorted(set(a.workloads) - set(WORKLOADS))
     if bad:
         p.error(f"unknown workloads {bad}; expected some of {list(WORKLOADS)}")
+    if a.regen_budget_min is not None and a.regen_budget_min < 0:
+        p.error(f"--regen-budget-min {a.regen_budget_min}: minutes must be >= 0 (0 = no limit)")
     return a
 
 
@@ -139,7 +144,9 @@ def run(a: argparse.Namespace) -> dict:
         os.environ["EAGLE3_DATA_DIR"] = str(Path(a.data_dir).resolve())
     instance = project_instance(a.dagster_home)
     home = Path(os.environ["DAGSTER_HOME"])
-    defs = build_definitions(env=a.env, preset=a.preset, target=a.target, dtype=a.dtype, torch_threads=a.threads)
+    budget = None if a.regen_budget_min is None else a.regen_budget_min * 60
+    defs = build_definitions(env=a.env, preset=a.preset, target=a.target, dtype=a.dtype, torch_threads=a.threads,
+                             regen_time_budget_s=budget)
     res = defs.resources
     log(f"preset={a.preset} target={res['target'].model} env={a.env or os.environ.get('EAGLE3_ENV', 'local')} "
         f"storage={res['storage'].uri('')} DAGSTER_HOME={home}")

@@ -23,7 +23,8 @@ def _regen_split(context, w: str, split: str, storage, target, preset, compute) 
     out, rej = stage / "conversations.jsonl", stage / "rejected.jsonl"
     summary = compute.run(context, RegenerateRequest(
         target=str(target.dir()), in_path=str(kept), out=str(out), rejected=str(rej), preset=preset.name,
-        max_length=target.max_length, endpoint=target.endpoint, **preset.compute()))
+        max_length=target.max_length, endpoint=target.endpoint, time_budget_s=preset.regen_time_budget_s,
+        **preset.compute()))
     check_accounting(summary, "written", f"{w}/{split}")
     summary["uri"] = storage.publish_from(out, Keys.conversations(w, split))
     summary["rejected_uri"] = storage.publish_from(rej, Keys.responses_rejected(w, split))

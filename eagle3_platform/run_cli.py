@@ -25,13 +25,17 @@ def add_commands(sub) -> None:
     p.add_argument("--dagster-home", default=None)
     p.add_argument("--dtype", default=None, help="auto | bfloat16 | float32: overrides every stage's preset dtype")
     p.add_argument("--threads", type=int, default=None, help="torch threads of every stage (0 = every core)")
+    p.add_argument("--regen-budget-min", type=float, default=None,
+                   help="regeneration wall minutes per partition (default: the preset's, cpu: 14; 0 = no "
+                        "limit); rerun with more to take up what a smaller budget deferred")
     p.add_argument("--force", action="store_true", help="rebuild what is neither missing nor stale")
     p.set_defaults(func=run)
 
 
 def pipeline_command(a) -> list[str]:
     cmd = [sys.executable, "-m", "pipeline", "--preset", a.preset]
-    for flag in ("target", "workloads", "through", "env", "data_dir", "dagster_home", "dtype", "threads"):
+    for flag in ("target", "workloads", "through", "env", "data_dir", "dagster_home", "dtype", "threads",
+                 "regen_budget_min"):
         if getattr(a, flag, None) is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(a, flag))]
     return cmd + (["--force"] if a.force else [])

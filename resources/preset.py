@@ -1,5 +1,6 @@
 """The `preset` resource: one name (tiny | demo | cpu | full) selects every area's typed config, and the
-compute overrides (dtype, torch_threads) apply to every stage that runs a model.
+compute overrides (dtype, torch_threads) apply to every stage that runs a model; the regeneration time
+budget can be overridden too.
 
 Presets are named and resolved in one place, `eagle3_platform.config`; this resource only carries the
 choice into the assets, which put it in each stage's request (eagle3_platform.stage).
@@ -18,12 +19,21 @@ class PresetResource(ConfigurableResource):
     name: str = DEFAULT_PRESET
     dtype: str | None = None  # auto | bfloat16 | float32 (checked by each request); None: the presets'
     torch_threads: int | None = None  # None: each area preset's own; 0 = every core
+    # None: the preset's; 0: no limit. Not in staging_key: a raised budget resumes the same output and
+    # takes up what the old one deferred (it does change the code version, so the asset is stale).
+    regen_time_budget_s: float | None = None
 
     def config(self):
-        """eagle3_platform.config.PlatformConfig of this preset (unknown names are refused there)."""
+        """eagle3_platform.config.PlatformConfig of this preset (unknown names are refused there), with
+        the time budget override applied."""
+        from dataclasses import replace
+
         from eagle3_platform.config import preset
 
-        return preset(self.name)
+        config = preset(self.name)
+        if self.regen_time_budget_s is None:
+            return config
+        return config.with_(regen=replace(config.regen, time_budget_s=self.regen_time_budget_s or None))
 
     def area(self, area: str):
         return getattr(self.config(), area)

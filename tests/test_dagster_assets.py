@@ -199,3 +199,29 @@ def test_artifact_comparison_allows_rounding_and_nothing_else():
     assert not same_artifact("c.jsonl", b'{"x": 1.0}\n', b'{"x": 1.00001}\n')  # records: exact
     assert STAGING_KEY.sub(rb"\1KEY", b"ROOT/.staging/draft/checkpoint/0123456789abcdef/x") == \
         b"ROOT/.staging/draft/checkpoint/KEY/x"
+
+
+def test_a_regeneration_budget_override_reaches_the_stage_and_a_raised_one_takes_up_what_it_deferred(
+        tmp_path, tiny_target_dir, instance):
+    """`--regen-budget-min` → PresetResource.regen_time_budget_s → the regeneration request. A budget
+    spent before the first conversation writes nothing (a failed step that names the reason); rerun with
+    more, the step resumes the same staging output and answers the conversations deferred."""
+    from dagster import materialize
+
+    from dagster_helpers import GRAPH
+    from resources import PresetResource
+
+    storage = StorageResource(root=str(tmp_path))
+    res = tiny_resources(storage, tiny_target_dir)
+    run(["filtered_prompts"], res, instance, WORKLOAD)
+    res["preset"] = PresetResource(name="tiny", regen_time_budget_s=1e-9)
+    result = materialize(GRAPH, selection=["target_responses"], partition_key=WORKLOAD, instance=instance,
+                         resources=res, raise_on_error=False)
+    assert not result.success
+    (failure,) = [e for e in result.all_events if e.is_step_failure]
+    error = failure.step_failure_data.error.to_string()
+    deferred = int(re.search(r"0 of (\d+) records written .*\(budget:time: \1;", error).group(1))
+    res["preset"] = PresetResource(name="tiny", regen_time_budget_s=3600)
+    m = meta(run(["target_responses"], res, instance, WORKLOAD), "target_responses")
+    assert m["deferred_retried"] == deferred and m["written"] + m["rejected"] == m["read"] == deferred
+    assert m["time_budget_s"] == 3600 and "budget:time" not in str(m.get("by_reason", ""))

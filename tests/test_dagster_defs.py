@@ -54,6 +54,12 @@ def test_code_versions_follow_code_and_settings(tmp_path):
     assert code_version("target_responses", bf16, t) != code_version("target_responses", tiny, t)
     assert code_version("filtered_prompts", bf16, t) == code_version("filtered_prompts", tiny, t)  # no model
     assert code_version("feature_shards", tiny, TargetResource(model="other")) != code_version("feature_shards", tiny, t)
+    # a raised regeneration budget makes the responses stale but resumes their staging output
+    budget = PresetResource(name="tiny", regen_time_budget_s=600)
+    assert code_version("target_responses", budget, t) != code_version("target_responses", tiny, t)
+    assert code_version("feature_shards", budget, t) == code_version("feature_shards", tiny, t)
+    assert budget.staging_key("abc") == tiny.staging_key("abc")
+    assert PresetResource(name="cpu", regen_time_budget_s=0).config().regen.time_budget_s is None
     (tmp_path / "m.py").write_text("x = 1\n")
     before = source_hash([str(tmp_path / "m.py")])
     (tmp_path / "m.py").write_text("x = 2\n")

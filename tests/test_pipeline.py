@@ -70,3 +70,17 @@ def test_missing_or_stale_from_the_instance_records(graph, instance, tmp_path):
     instance.report_runless_asset_event(AssetMaterialization(
         "target_responses", partition="code", tags={"dagster/code_version": "older"}))
     assert reason(responses) == "code or settings changed"
+
+
+def test_the_regeneration_budget_flag_reaches_the_pipeline_and_a_negative_one_is_refused(capsys):
+    import argparse
+
+    from eagle3_platform.run_cli import pipeline_command
+
+    a = argparse.Namespace(preset="cpu", force=False, regen_budget_min=2.5)
+    cmd = pipeline_command(a)
+    assert cmd[cmd.index("--regen-budget-min") + 1] == "2.5"
+    assert pipeline.parse_args(cmd[cmd.index("--preset"):]).regen_budget_min == 2.5
+    with pytest.raises(SystemExit):
+        pipeline.parse_args(["--regen-budget-min", "-1"])
+    assert "minutes must be >= 0" in capsys.readouterr().err
