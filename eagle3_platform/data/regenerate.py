@@ -16,6 +16,9 @@ records (broken JSON, bad encoding, schema, a repeated id) are rejected while re
 per line. Local windows (window_batches x batch_size records) are planned over ALL records (done or not) and
 a partially written window is recomputed whole, so a resumed run produces the very same tokens as an
 uninterrupted one (sampling draws from one RNG per record and turn, seeded from the record id).
+Time budget (RegenConfig.time_budget_s, counted across resumes): once spent, no conversation or turn
+starts; conversations not begun are rejected as `budget:time`, which a later run with budget left
+takes up again, and begun ones keep their answered turns (`dropped_turns`, as when max_length ends them).
 """
 from __future__ import annotations
 
@@ -92,11 +95,11 @@ PRESETS: dict[str, RegenConfig] = {
     "demo": RegenConfig(max_new_tokens=128, batch_size=64, do_sample=False, temperature=0.0, top_p=1.0,
                         seed=0, max_length=1024, concurrency=4),
     # CPU training run: more and longer answers; up to 128 rows where prompts are short (bf16 throughput
-    # still grows to batch 128 on 2 cores), fewer for long ones (batch_tokens).
-    # cpu: 14 min a partition's training split keeps `eagle3 run --preset cpu` within 2 h on a box with
-    # no bf16 (fp32 on the 4-bit codes: 20-140 tok/s) where 400 prompts a partition took 4 h 51 min; on a
-    # bf16 box (250-460 tok/s) the prompt limit binds first. Windows of one batch: what a budget leaves
-    # unstarted is a random sample plus the longest of the window in progress, not the longest overall.
+    # still grows to batch 128 on 2 cores), fewer for long ones (batch_tokens). 14 min a partition keeps
+    # `eagle3 run --preset cpu` within 2 h on a box without bf16 (fp32 on the 4-bit codes, 20-140 tok/s:
+    # 400 prompts a partition took 4 h 51 min); on a bf16 box (250-460 tok/s) the prompt limit binds
+    # first. Windows of one batch: what a budget leaves unstarted is a random sample plus the longest of
+    # the window in progress, not the longest prompts overall.
     "cpu": RegenConfig(max_new_tokens=256, batch_size=128, do_sample=False, temperature=0.0, top_p=1.0,
                        seed=0, max_length=1536, concurrency=4, batch_tokens=24576, window_batches=1,
                        time_budget_s=14 * 60),
