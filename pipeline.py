@@ -52,14 +52,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch threads override (0 = every core)")
     p.add_argument("--regen-budget-min", type=float, default=None,
                    help="regeneration wall minutes per partition and split, across resumes (default: the "
-                        "preset's; 0 = no limit); a rerun with more takes up what a smaller one deferred")
+                        "preset's; 0 = no limit); a new value rebuilds the responses under it")
     p.add_argument("--force", action="store_true", help="rebuild steps that are neither missing nor stale")
     a = p.parse_args(argv)
     a.workloads = [w for w in a.workloads.split(",") if w]
     bad = sorted(set(a.workloads) - set(WORKLOADS))
     if bad:
         p.error(f"unknown workloads {bad}; expected some of {list(WORKLOADS)}")
-    if a.regen_budget_min is not None and a.regen_budget_min < 0:
+    if a.regen_budget_min is not None and not a.regen_budget_min >= 0:  # NaN too
         p.error(f"--regen-budget-min {a.regen_budget_min}: minutes must be >= 0 (0 = no limit)")
     return a
 

@@ -32,6 +32,10 @@ INPUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "benchmark_report": (("assets/bench.py", "resources/serving.py", "eagle3_platform/bench",
                           "eagle3_platform/serve", "eagle3_platform/spec", *MODEL), ("spec", "serve", "bench")),
 }
+# where an asset reads only part of an area: the filter's prompt budget is max_length - max_new_tokens
+# (a regeneration time budget or batch size does not change which prompts are kept)
+AREA_FIELDS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("filtered_prompts", "regen"): ("max_length", "max_new_tokens")}
 
 
 def _files(rel: str) -> list[Path]:
@@ -52,6 +56,9 @@ def settings(asset: str, preset, target) -> dict:
     paths, area_names = INPUTS[asset]
     config = preset.config()
     areas = {a: dataclasses.asdict(getattr(config, a)) for a in area_names}
+    for (name, area), fields in AREA_FIELDS.items():
+        if name == asset:
+            areas[area] = {k: areas[area][k] for k in fields}
     runs_model = "eagle3_platform/compute.py" in paths  # only then do the dtype/threads overrides count
     return {"preset": preset.name, "compute": preset.compute() if runs_model else {}, "areas": areas,
             "target": {"model": target.model, "max_length": target.max_length, "endpoint": target.endpoint}}

@@ -58,6 +58,7 @@ def test_code_versions_follow_code_and_settings(tmp_path):
     budget = PresetResource(name="tiny", regen_time_budget_s=600)
     assert code_version("target_responses", budget, t) != code_version("target_responses", tiny, t)
     assert code_version("feature_shards", budget, t) == code_version("feature_shards", tiny, t)
+    assert code_version("filtered_prompts", budget, t) == code_version("filtered_prompts", tiny, t)
     assert budget.staging_key("abc") == tiny.staging_key("abc")
     assert PresetResource(name="cpu", regen_time_budget_s=0).config().regen.time_budget_s is None
     (tmp_path / "m.py").write_text("x = 1\n")

@@ -636,9 +636,9 @@ def test_progress_counts_answered_turns_before_a_conversation_is_written(tiny_ta
 
 # ----------------------------------------------------------------------------------- time budget
 
-def spend_per_answer(monkeypatch) -> None:
-    """The time budget's clock counts answered turns instead of seconds, so where it runs out does not
-    depend on the machine's speed."""
+def spend_per_answer(monkeypatch) -> list[int]:
+    """The time budget's clock counts answered turns instead of seconds (this run's: [0] is the count),
+    so where it runs out does not depend on the machine's speed."""
     import eagle3_platform.data.regenerate as regen
 
     answered = [0]
@@ -650,6 +650,7 @@ def spend_per_answer(monkeypatch) -> None:
 
     monkeypatch.setattr(regen.Turns, "answer", counting)
     monkeypatch.setattr(regen.TimeBudget, "spent", lambda self: self.before + answered[0])
+    return answered
 
 
 def test_plan_windows_are_random_draws_in_length_order_when_a_budget_may_cut_them():
@@ -672,12 +673,12 @@ def test_a_spent_time_budget_defers_what_has_not_begun_and_a_rerun_with_budget_l
         tiny_target_dir, tok, tmp_path, monkeypatch, varied_regen):
     prompts = mixed_prompts(12)
     inp = write_prompts(tmp_path / "in.jsonl", prompts)
-    cfg = replace(TINY, batch_size=2, window_batches=1)
+    cfg = replace(TINY, batch_size=2, window_batches=1, random_order=True)
     ref = tmp_path / "ref.jsonl"  # no budget: every conversation in full (fp32: batch companions do not matter)
     regenerate_file(tiny_target_dir, inp, ref, cfg, scanner=NoScan())
     want = {r["id"]: r for r in read_jsonl(ref)}
 
-    spend_per_answer(monkeypatch)
+    answered_now = spend_per_answer(monkeypatch)
     out, rej = tmp_path / "out.jsonl", tmp_path / "rej.jsonl"
     budget = replace(cfg, time_budget_s=4)  # spent after 4 answered turns
     s = regenerate_file(tiny_target_dir, inp, out, budget, rejected_path=rej, scanner=NoScan())
@@ -698,13 +699,21 @@ def test_a_spent_time_budget_defers_what_has_not_begun_and_a_rerun_with_budget_l
     assert (again["deferred_retried"], again["new_tokens"]) == (0, 0)  # spent: a rerun changes nothing
     assert (out.read_bytes(), rej.read_bytes()) == before
 
-    more = regenerate_file(tiny_target_dir, inp, out, replace(cfg, time_budget_s=10**6), rejected_path=rej,
-                           scanner=NoScan())
+    more = regenerate_file(tiny_target_dir, inp, out, replace(cfg, time_budget_s=None), rejected_path=rej,
+                           scanner=NoScan())  # lifted: the plan (random_order) stays the records' own
     assert more["deferred_retried"] == deferred and more["by_reason"] == {}
     assert more["read"] == more["written"] == 12
     got = {r["id"]: r for r in read_jsonl(out)}
     full = {i for i, r in got.items() if not r["generation"]["dropped_turns"]}
     assert len(got) == 12 and {i: got[i] for i in full} == {i: want[i] for i in full}
+
+    # published (moved away, as the Dagster step does): the next build of this output starts afresh,
+    # it does not inherit a budget spent on records that are gone
+    out.rename(tmp_path / "published.jsonl")
+    rej.unlink()
+    answered_now[0] = 0  # a new process's clock
+    fresh = regenerate_file(tiny_target_dir, inp, out, budget, rejected_path=rej, scanner=NoScan())
+    assert fresh["written"] == s["written"] and fresh["by_reason"] == s["by_reason"]
 
 
 def test_an_endpoint_run_stops_starting_conversations_when_its_budget_is_spent(tiny_target_dir, tmp_path,

@@ -80,5 +80,6 @@ def cmd_regenerate(a) -> dict:
         target=a.target, in_path=a.in_path, out=a.out, rejected=a.rejected, preset=a.preset,
         max_new_tokens=a.max_new_tokens, max_length=a.max_length, batch_size=a.batch_size,
         concurrency=a.concurrency, temperature=a.temperature, top_p=a.top_p, seed=a.seed,
-        time_budget_s=None if a.time_budget_min is None else a.time_budget_min * 60, endpoint=a.endpoint, api_key=a.api_key, scan_responses=not a.no_scan_responses, restart=a.restart,
+        time_budget_s=None if a.time_budget_min is None else a.time_budget_min * 60,
+        endpoint=a.endpoint, api_key=a.api_key, scan_responses=not a.no_scan_responses, restart=a.restart,
         dtype=a.dtype, torch_threads=a.threads))

@@ -67,10 +67,14 @@ class RegenConfig:
     # end; a resumed run redoes the window it stopped in (same companions, so the same records).
     window_batches: int = 4
     # wall seconds this output may take to regenerate, counted across resumes (a sidecar beside the
-    # output keeps what earlier runs spent); None = no limit. Soft: once spent nothing new starts (a
-    # conversation not begun is deferred, `budget:time`; one begun keeps the turns answered so far)
-    # and the answers being written finish. A later run with budget left retries the deferred.
+    # output keeps what earlier runs spent); None = no limit (the CLI's 0). Soft: once spent nothing new
+    # starts (a conversation not begun is deferred, `budget:time`; one begun keeps the turns answered so
+    # far) and the answers being written finish. A later run with budget left retries the deferred.
     time_budget_s: float | None = None
+    # records taken in a seeded random order (windows: length order within each) instead of length
+    # order: a time budget then leaves a random sample unstarted, not the longest prompts. Its own
+    # setting, so lifting the budget to take up what it deferred keeps the plan of the records written.
+    random_order: bool = False
     dtype: str = "auto"  # local compute dtype: auto = bf16 where the hardware has it (compute.py)
     torch_threads: int = 0  # local: 0 = all cores (the step runs alone); >0 pins (a shared box)
     # local multi-turn: keep each conversation's KV cache between turns (False re-prefills the whole
@@ -98,11 +102,11 @@ PRESETS: dict[str, RegenConfig] = {
     # still grows to batch 128 on 2 cores), fewer for long ones (batch_tokens). 14 min a partition keeps
     # `eagle3 run --preset cpu` within 2 h on a box without bf16 (fp32 on the 4-bit codes, 20-140 tok/s:
     # 400 prompts a partition took 4 h 51 min); on a bf16 box (250-460 tok/s) the prompt limit binds
-    # first. Windows of one batch: what a budget leaves unstarted is a random sample plus the longest of
-    # the window in progress, not the longest prompts overall.
+    # first (the eval split's 8 prompts take a minute). Random windows of one batch: what a budget leaves
+    # unstarted is a random sample plus the longest of the window in progress, not the longest prompts.
     "cpu": RegenConfig(max_new_tokens=256, batch_size=128, do_sample=False, temperature=0.0, top_p=1.0,
                        seed=0, max_length=1536, concurrency=4, batch_tokens=24576, window_batches=1,
-                       time_budget_s=14 * 60),
+                       time_budget_s=14 * 60, random_order=True),
     # Production: sampled answers (diversity) at the target's usual settings, usually via SGLang/vLLM.
     "full": RegenConfig(max_new_tokens=1024, batch_size=32, do_sample=True, temperature=0.7, top_p=0.95,
                         seed=0, max_length=4096, concurrency=64),
@@ -266,12 +270,16 @@ class Progress:
 
 class TimeBudget:
     """The wall time an output may take (RegenConfig.time_budget_s), counted across resumes: what earlier
-    runs spent is kept in a sidecar beside the output. `over()` is what the back ends ask before they
-    start a conversation or a turn."""
+    runs spent is kept in a sidecar beside the output, saved at least every SAVE_EVERY_S (so a killed
+    run loses little of what it spent). `over()` is what the back ends ask before they start a
+    conversation or a turn (endpoint workers ask from their threads)."""
+
+    SAVE_EVERY_S = 15.0
 
     def __init__(self, limit_s: float | None, path: Path):
         self.limit_s, self.path, self.t0 = limit_s, path, time.monotonic()
-        self.before = 0.0
+        self.before, self.saved = 0.0, self.t0
+        self.lock = threading.Lock()
         if limit_s is not None and path.exists():
             try:
                 self.before = float(json.loads(path.read_text(encoding="utf-8"))["spent_s"])
@@ -282,11 +290,17 @@ class TimeBudget:
         return self.before + time.monotonic() - self.t0
 
     def over(self) -> bool:
-        return self.limit_s is not None and self.spent() >= self.limit_s
+        if self.limit_s is None:
+            return False
+        if time.monotonic() - self.saved >= self.SAVE_EVERY_S:
+            self.save()
+        return self.spent() >= self.limit_s
 
     def save(self) -> None:
         if self.limit_s is not None:
-            write_json_atomic(self.path, {"spent_s": round(self.spent(), 3), "limit_s": self.limit_s})
+            with self.lock:  # one writer at a time: the temp file's name is per process
+                self.saved = time.monotonic()
+                write_json_atomic(self.path, {"spent_s": round(self.spent(), 3), "limit_s": self.limit_s})
 
 
 def budget_path(out_path: Path) -> Path:
@@ -338,7 +352,7 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
     if endpoint:
         gen["endpoint"] = _public_url(endpoint)
     check_resume_key(out_path, rejected_path, resume_key(meta, tok, gen), restart)
-    if restart:
+    if not (out_path.exists() or rejected_path.exists()):  # restarted, or the output moved on (published)
         budget_path(out_path).unlink(missing_ok=True)
     clock = TimeBudget(cfg.time_budget_s, budget_path(out_path))
     retried = 0 if clock.over() else retry_deferred(rejected_path)
@@ -376,8 +390,9 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
     summary = summarize(prompts, out_path, rejected_path, len(done), progress, time.perf_counter() - t0, meta,
                         tok)
     if cfg.time_budget_s is not None:
-        summary.update(time_budget_s=cfg.time_budget_s, time_spent_s=round(clock.spent(), 1),
-                       deferred_retried=retried)
+        summary.update(time_budget_s=cfg.time_budget_s, time_spent_s=round(clock.spent(), 1))
+    if cfg.time_budget_s is not None or retried:
+        summary["deferred_retried"] = retried
     if not summary["written"]:
         raise ValueError(f"0 of {summary['read']} records written to {out_path}"
                          + (f" ({top_reasons(summary['by_reason'])}; see {rejected_path})" if summary["read"]
@@ -501,7 +516,7 @@ def run_local(target_dir, convos: list[Convo], turns: Turns, cfg: RegenConfig, d
         return
     lengths = {c.rec.id: len(render_prompt(turns.tok, c.segments[0])) for c in live}
     plan = plan_windows(live, lambda c: lengths[c.rec.id], cfg.window_batches * cfg.batch_size, cfg.seed,
-                        shuffled=cfg.time_budget_s is not None)
+                        shuffled=cfg.random_order)
     target = None
 
     def emit_new(c: Convo) -> None:  # a redone window's records already written are not written again
@@ -530,6 +545,8 @@ def run_endpoint(endpoint: str, convos: list[Convo], turns: Turns, cfg: RegenCon
     model = served_model(endpoint, meta["target_id"], api_key)
     client = ChatClient(endpoint, model, api_key, cfg.request_timeout_s, cfg.max_retries, cfg.backoff_s)
     todo = [c for c in convos if c.rec.id not in done]
+    if cfg.random_order:  # what a time budget leaves unasked is a random sample, not the input's tail
+        todo.sort(key=lambda c: turn_seed(cfg.seed, c.rec.id, -1))
     try:
         with ThreadPoolExecutor(max_workers=cfg.concurrency) as pool:
             futures = [pool.submit(converse, client, c, turns, cfg, clock) for c in todo]
@@ -618,8 +635,12 @@ def decode_conversations(model, convos: list[Convo], turns: Turns, cfg: RegenCon
         body = g.tokens[:-1] if g.finish_reason == "stop" else g.tokens  # the EOT is the template's
         text = turns.tok.decode(body, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         turns.answer(c, msgs, text, g.finish_reason, len(g.tokens))
-        follow = request(c, k + 1, g.cache) if k + 1 < len(c.segments) else None
-        if follow is None:  # out of turns, or of max_length (dropped_turns)
+        if k + 1 < len(c.segments) and out_of_time is not None and out_of_time():
+            stop_for_time(c, k + 1)  # written now: no cache copy held for a turn that will not start
+            follow = None
+        else:
+            follow = request(c, k + 1, g.cache) if k + 1 < len(c.segments) else None
+        if follow is None:  # out of turns, of max_length (dropped_turns) or of time
             finished(c)
         else:
             queue.appendleft(follow)  # the conversation goes on first: its cache is held meanwhile
