@@ -653,6 +653,28 @@ def spend_per_answer(monkeypatch) -> list[int]:
     return answered
 
 
+def test_a_closed_stream_ends_its_rows_where_they_are_and_leaves_the_queue_to_the_caller(varied, tok):
+    from collections import deque
+
+    from eagle3_platform.data.local_gen import Request, decode_stream
+
+    prompts = [render_prompt(tok, [{"role": "user", "content": u}]) for u in ["Hi", "Solve: x + 3 = 7", "Why?"]]
+    full = generate_batch(varied.model, prompts, [8, 8, 8], set(), tok.pad_token_id)
+    checks = [0]
+
+    def closed() -> bool:  # asked once before every step: closes before the 4th
+        checks[0] += 1
+        return checks[0] > 3
+
+    queue, got = deque(Request(p, 8, tag=i) for i, p in enumerate(prompts)), {}
+    decode_stream(varied.model, queue, lambda r, g: got.__setitem__(r.tag, g), set(), tok.pad_token_id,
+                  max_rows=2, closed=closed)
+    assert [r.tag for r in queue] == [2]  # never started: the caller's
+    assert sorted(got) == [0, 1]
+    for i, g in got.items():  # the first 3 of the tokens an unclosed stream gives, ended as "time"
+        assert (g.finish_reason, g.tokens, g.cache) == ("time", full[i].tokens[:3], None)
+
+
 def test_plan_windows_are_random_draws_in_length_order_when_a_budget_may_cut_them():
     from eagle3_platform.data.regenerate import Convo, plan_windows
     from eagle3_platform.records import prompt_from_row
@@ -686,12 +708,18 @@ def test_a_spent_time_budget_defers_what_has_not_begun_and_a_rerun_with_budget_l
     assert s["read"] == s["written"] + s["rejected"] == 12 and s["rejected"] == deferred >= 6
     rows = list(read_jsonl(out))
     answered = sum(len(r["generation"]["new_tokens"]) for r in rows)
-    assert 4 <= answered <= 4 + cfg.batch_size - 1  # soft: answers being written when it ran out finish
+    assert 4 <= answered <= 4 + cfg.batch_size - 1  # the answers being decoded when it ran out end there
     check_records(rows, prompts, tok, "tiny-random")
-    for r in rows:  # a conversation cut between turns keeps the turns it had: the full run's first ones
-        n = len(r["messages"])
-        assert r["messages"] == want[r["id"]]["messages"][:n]
-        assert r["input_ids"] == want[r["id"]]["input_ids"][:len(r["input_ids"])]
+    cut = 0
+    for r in rows:  # a cut conversation keeps the turns it had: the full run's first ones, the last maybe cut
+        n, full = len(r["messages"]), want[r["id"]]
+        assert r["messages"][:n - 1] == full["messages"][:n - 1]
+        turn = len(r["generation"]["new_tokens"]) - 1
+        if r["generation"]["finish_reasons"][-1] == "time":
+            cut += 1
+            assert r["generation"]["new_tokens"][-1] < full["generation"]["new_tokens"][turn]
+        else:
+            assert r["messages"][-1] == full["messages"][n - 1]
     assert json.loads((tmp_path / "out.jsonl.budget.json").read_text())["spent_s"] >= 4
 
     before = (out.read_bytes(), rej.read_bytes())

@@ -67,7 +67,7 @@ class Prefix:
 @dataclass
 class Generated:
     tokens: list[int]  # generated ids, the stop token included when one was produced
-    finish_reason: str  # "stop" (end-of-turn/EOS) | "length" (hit its budget)
+    finish_reason: str  # "stop" (end-of-turn/EOS) | "length" (hit its budget) | "time" (decode_stream closed)
     cache: Prefix | None = None  # prompt + tokens[:-1] (where keep_cache asked for it)
 
 
@@ -141,11 +141,15 @@ def decode_stream(model, queue: deque[Request], on_done: Callable[[Request, Gene
     cache per such turnover, and no batch tail waiting on its longest answer while prompts wait.
     Invariant: a row's tokens do not depend on its companions (positions count its own tokens, the
     mask hides every other slot): exactly per-prompt `generate` in fp32, up to rounding in bf16.
-    Once `closed()`, no request joins: the rows running finish, and what is left in the queue stays
-    there for the caller."""
+    Once `closed()` (checked before every step), the rows running end where they are (finish_reason
+    "time") and the queue is left to the caller."""
     rows: _Rows | None = None
     while True:
-        new = [] if closed is not None and closed() else _admit(queue, rows, max_rows, budget)
+        if closed is not None and closed():
+            if rows is not None:
+                rows.close(on_done)
+            return
+        new = _admit(queue, rows, max_rows, budget)
         if new or (rows is not None and rows.departed):
             rows = _Rows.rebuild(model, rows, new, pad_id, sampling)
         if rows is None:
@@ -248,6 +252,16 @@ class _Rows:
                 g.cache = self._cache_of(b)
             self.departed.append(b)
             on_done(r, g)
+
+    def close(self, on_done) -> None:
+        """Every row that has not departed leaves now: a finished one as it is, one still decoding as
+        "time" with the tokens it has (at least one: every step pushes a token to each row it built),
+        its cache not kept (nothing will follow it)."""
+        gone = set(self.departed)
+        for r, g in zip(self.reqs, self.out):
+            if not g.finish_reason:
+                g.finish_reason, r.keep_cache = "time", False
+        self.depart([b for b in range(len(self.reqs)) if b not in gone], on_done)
 
     def forward(self, model) -> None:
         """One token per row (finished and departed rows too, ignored) -> the next logits."""

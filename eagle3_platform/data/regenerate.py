@@ -17,8 +17,9 @@ per line. Local windows (window_batches x batch_size records) are planned over A
 a partially written window is recomputed whole, so a resumed run produces the very same tokens as an
 uninterrupted one (sampling draws from one RNG per record and turn, seeded from the record id).
 Time budget (RegenConfig.time_budget_s, counted across resumes): once spent, no conversation or turn
-starts; conversations not begun are rejected as `budget:time`, which a later run with budget left
-takes up again, and begun ones keep their answered turns (`dropped_turns`, as when max_length ends them).
+starts and the answers being decoded end there (finish_reason "time"); conversations not begun are
+rejected as `budget:time`, which a later run with budget left takes up again, and begun ones keep their
+answered turns (`dropped_turns`, as when max_length ends them).
 """
 from __future__ import annotations
 
@@ -67,9 +68,11 @@ class RegenConfig:
     # end; a resumed run redoes the window it stopped in (same companions, so the same records).
     window_batches: int = 4
     # wall seconds this output may take to regenerate, counted across resumes (a sidecar beside the
-    # output keeps what earlier runs spent); None = no limit (the CLI's 0). Soft: once spent nothing new
+    # output keeps what earlier runs spent); None = no limit (the CLI's 0). Once spent, nothing new
     # starts (a conversation not begun is deferred, `budget:time`; one begun keeps the turns answered so
-    # far) and the answers being written finish. A later run with budget left retries the deferred.
+    # far) and the answers being written end where they are (finish_reason "time": finishing them could
+    # take max_new_tokens batch steps, ~13 min at 128 rows on a slow box). A later run with budget left
+    # retries the deferred.
     time_budget_s: float | None = None
     # records taken in a seeded random order (windows: length order within each) instead of length
     # order: a time budget then leaves a random sample unstarted, not the longest prompts. Its own
@@ -615,8 +618,8 @@ def decode_conversations(model, convos: list[Convo], turns: Turns, cfg: RegenCon
     """Every turn of these conversations, as one continuous batch (local_gen.decode_stream) of at most
     batch_size rows and `budget` KV slots: a conversation's next turn joins as soon as its answer is
     in, reusing its KV cache (local_gen.Prefix: the turn prefills only the new user message), and
-    `finished(c)` runs when a conversation has no turn left. Once `out_of_time()`, no turn starts: the
-    answers being written finish, and the turns left are stop_for_time's."""
+    `finished(c)` runs when a conversation has no turn left. Once `out_of_time()`, no turn starts, the
+    answers being decoded end where they are ("time"), and the turns left are stop_for_time's."""
     from eagle3_platform.data.local_gen import Request, Sampling, decode_stream
 
     sampling = Sampling(cfg.do_sample, cfg.temperature, cfg.top_p)
