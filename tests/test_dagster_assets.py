@@ -220,7 +220,8 @@ def test_a_regeneration_budget_override_reaches_the_stage_and_a_raised_one_takes
     assert not result.success
     (failure,) = [e for e in result.all_events if e.is_step_failure]
     error = failure.step_failure_data.error.to_string()
-    deferred = int(re.search(r"0 of (\d+) records written .*\(budget:time: \1;", error).group(1))
+    deferred = int(re.search(r"0 of (\d+) records written .*\(budget:time: \1;.*rerun with a larger one",
+                             error).group(1))
     res["preset"] = PresetResource(name="tiny", regen_time_budget_s=3600)
     m = meta(run(["target_responses"], res, instance, WORKLOAD), "target_responses")
     assert m["deferred_retried"] == deferred and m["written"] + m["rejected"] == m["read"] == deferred

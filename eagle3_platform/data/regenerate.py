@@ -399,7 +399,9 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
     if not summary["written"]:
         raise ValueError(f"0 of {summary['read']} records written to {out_path}"
                          + (f" ({top_reasons(summary['by_reason'])}; see {rejected_path})" if summary["read"]
-                            else f" ({in_path} has no records)"))
+                            else f" ({in_path} has no records)")
+                         + ("; the time budget was spent before any conversation was answered: rerun with "
+                            "a larger one" if summary["by_reason"].get(DEFERRED) else ""))
     return summary
 
 
