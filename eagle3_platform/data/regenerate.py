@@ -488,6 +488,11 @@ def read_prompts(in_path) -> Prompts:
     return p
 
 
+def seeded_order(convos: list[Convo], seed: int) -> list[Convo]:
+    """The conversations in a seeded random order that depends only on their ids (a resume sees the same)."""
+    return sorted(convos, key=lambda c: turn_seed(seed, c.rec.id, -1))
+
+
 def plan_windows(convos: list[Convo], length: Callable[[Convo], int], size: int, seed: int,
                  shuffled: bool) -> list[list[Convo]]:
     """Windows of `size` records, each in first-prompt length order (rows of like length batch well).
@@ -495,20 +500,18 @@ def plan_windows(convos: list[Convo], length: Callable[[Convo], int], size: int,
     budget may stop anywhere), each window is a seeded random draw, so the records a budget leaves
     unstarted are a random sample, but for the longest of the window in progress. Either way the plan
     depends only on the records, so a resumed run plans the same windows."""
-    order = sorted(convos, key=lambda c: turn_seed(seed, c.rec.id, -1)) if shuffled else sorted(convos, key=length)
+    order = seeded_order(convos, seed) if shuffled else sorted(convos, key=length)
     return [sorted(order[i:i + size], key=length) for i in range(0, len(order), size)]
 
 
 def run_local(target_dir, convos: list[Convo], turns: Turns, cfg: RegenConfig, done: set[str], emit,
-              clock: TimeBudget | None = None) -> None:
+              clock: TimeBudget) -> None:
     """Continuous batched decoding on the local target, window by window (plan_windows): a resumed run
     redoes the window it stopped in with exactly the same companions, so its records come out as an
     uninterrupted run's. Once the time budget is spent, the conversations of later windows are deferred
     without loading the target."""
     from eagle3_platform.compute import set_threads
     from eagle3_platform.target import load_target
-
-    clock = clock or TimeBudget(None, Path())
 
     for c in convos:
         if c.reject is None:
@@ -544,14 +547,14 @@ def run_local(target_dir, convos: list[Convo], turns: Turns, cfg: RegenConfig, d
 
 
 def run_endpoint(endpoint: str, convos: list[Convo], turns: Turns, cfg: RegenConfig, done: set[str], emit,
-                 meta: dict, api_key: str | None, clock: TimeBudget | None = None) -> None:
+                 meta: dict, api_key: str | None, clock: TimeBudget) -> None:
     """The endpoint back end: a pool of cfg.concurrency worker threads, one conversation per task, its
     turns asked in order; rows are written from the calling thread only (the appenders are not shared)."""
     model = served_model(endpoint, meta["target_id"], api_key)
     client = ChatClient(endpoint, model, api_key, cfg.request_timeout_s, cfg.max_retries, cfg.backoff_s)
     todo = [c for c in convos if c.rec.id not in done]
     if cfg.random_order:  # what a time budget leaves unasked is a random sample, not the input's tail
-        todo.sort(key=lambda c: turn_seed(cfg.seed, c.rec.id, -1))
+        todo = seeded_order(todo, cfg.seed)
     try:
         with ThreadPoolExecutor(max_workers=cfg.concurrency) as pool:
             futures = [pool.submit(converse, client, c, turns, cfg, clock) for c in todo]
@@ -566,12 +569,11 @@ def run_endpoint(endpoint: str, convos: list[Convo], turns: Turns, cfg: RegenCon
         client.close()
 
 
-def converse(client: ChatClient, c: Convo, turns: Turns, cfg: RegenConfig, clock: TimeBudget | None = None
-             ) -> Convo:
+def converse(client: ChatClient, c: Convo, turns: Turns, cfg: RegenConfig, clock: TimeBudget) -> Convo:
     """Asks the endpoint for each turn of one conversation in order (a worker thread)."""
     temperature = cfg.temperature if cfg.do_sample else 0.0
     for k in range(len(c.segments) if c.reject is None else 0):
-        if clock is not None and clock.over():
+        if clock.over():
             stop_for_time(c, k)
             break
         with turns.lock:  # tokenizer + template rendering stay on one thread at a time
@@ -615,8 +617,7 @@ def stop_for_time(c: Convo, k: int) -> None:
 
 
 def decode_conversations(model, convos: list[Convo], turns: Turns, cfg: RegenConfig, budget: int,
-                         finished: Callable[[Convo], None], out_of_time: Callable[[], bool] | None = None
-                         ) -> None:
+                         finished: Callable[[Convo], None], out_of_time: Callable[[], bool]) -> None:
     """Every turn of these conversations, as one continuous batch (local_gen.decode_stream) of at most
     batch_size rows and `budget` KV slots: a conversation's next turn joins as soon as its answer is
     in, reusing its KV cache (local_gen.Prefix: the turn prefills only the new user message), and
@@ -640,7 +641,7 @@ def decode_conversations(model, convos: list[Convo], turns: Turns, cfg: RegenCon
         body = g.tokens[:-1] if g.finish_reason == "stop" else g.tokens  # the EOT is the template's
         text = turns.tok.decode(body, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         turns.answer(c, msgs, text, g.finish_reason, len(g.tokens))
-        if k + 1 < len(c.segments) and out_of_time is not None and out_of_time():
+        if k + 1 < len(c.segments) and out_of_time():
             stop_for_time(c, k + 1)  # written now: no cache copy held for a turn that will not start
             follow = None
         else:
