@@ -203,3 +203,23 @@ def test_a_head_that_never_drafts_is_not_paid_for_at_every_step():
     # the head turns confident (code): drafts reach depth 1 and deeper; drafting takes over
     chosen = _simulate_cut(p, 1, lambda m: 0.03 * (1 + 0.1 * m), reach=0.9, accept=0.9, steps=200, seed=1)
     assert chosen[-50:].count(0) <= 5
+
+
+@pytest.mark.parametrize("seed", [0, 3, 5])
+def test_a_plain_cost_measured_while_the_machine_was_slow_is_forgotten(seed):
+    """The machine 3x slower for the first 80 steps (a noisy neighbour, or a long context), then
+    steady; plain decoding 16% faster per token than any draft of this weak head. The policy walks down
+    to plain decoding while the machine is slow and keeps drafting afterwards. Plain decoding is then
+    re-measured every 16-256 steps; its remembered cost must follow the machine as the drafts' line
+    does, not 10% per re-measure (which kept the slow cost for thousands of steps: the policy stayed on
+    drafts in 7 of 10 seeds)."""
+    p, rng, chosen = DraftSizePolicy(k_max=4), random.Random(seed), []
+    for i in range(600):
+        k = p.choose(1)
+        drafted = [next((d for d in range(k) if rng.random() >= 0.9), k)]
+        accepted = [next((d for d in range(m) if rng.random() >= 0.2), m) for m in drafted]
+        cost = 0.03 * ((1.3 + 0.1 * drafted[0]) if k else 1.0) * (3.0 if i < 80 else 1.0)
+        p.observe(1, k, cost * rng.uniform(0.9, 1.1), accepted, drafted)
+        chosen.append(k)
+    assert chosen[-300:].count(0) >= 270
+    assert abs(p.info()["plain_step_ms_by_batch"]["1"] - 30.0) < 3.0

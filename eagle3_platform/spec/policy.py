@@ -34,6 +34,13 @@ forward, its catch-up, a verify of twice the tokens): a line through all the ste
 above its cost, and since each further depth paid on that line, the walk down one size at a time
 could stall at 1-4. At batch 8 on 2 cores (Locust, c = 8, 60 s) the policy spent 203 of 370 steps at
 k = 1 before it reached 0, which its final line put 13% faster.
+Plain decoding's mean forgets per step of its bucket, as the line does, not per plain step: a plain
+step that comes after g steps of drafting weighs 1 - (1 - EMA)^g. Where drafting is the choice, plain
+steps are re-measures up to MAX_EXPLORE_GAP steps apart, and this box's speed drifts up to 2x within
+minutes (the same 24 requests through the baseline worker: 53 s, then 90 s; s31/loop2.py), as does a
+step's cost from one request's context length to the next. A plain mean that moved 10% per plain step
+kept a cost measured in a slow minute for thousands of steps: with the machine 3x slower for its first
+80 steps and plain decoding 16% faster per token, 7 of 10 seeded runs stayed on drafts (the test).
 Exploration: a bucket seen for the first time starts from the best k of the nearest measured bucket
 (k_max on the very first step), then, while the drafts' depth has not varied there, a neighbouring
 size, which gives the line a second point; a size is only chosen within one of the sizes measured in
@@ -105,6 +112,7 @@ class DraftSizePolicy:
         self._gap: dict[int, int] = {}  # B bucket -> steps between its re-measures
         self._next_explore: dict[int, int] = {}  # B bucket -> its step count at the next re-measure
         self._re_measures: Counter = Counter()  # B bucket -> neighbours re-measured so far
+        self._plain_at: dict[int, int] = {}  # B bucket -> its step count at its last plain step
 
     def choose(self, batch_size: int) -> int:
         b = _bucket(batch_size)
@@ -199,9 +207,10 @@ class DraftSizePolicy:
         self.caps[b] = (min(lo, k), max(hi, k))
         y = seconds / batch_size
         self.lines.setdefault(b, CostLine()).add(max(drafted, default=0), y)
-        if k == 0:
-            prev = self.plain.get(b)
-            self.plain[b] = y if prev is None else prev + EMA * (y - prev)
+        if k == 0:  # the mean forgets per step of the bucket, as the line does, not per plain step
+            prev, w = self.plain.get(b), 1 - (1 - EMA) ** (self._steps[b] - self._plain_at.get(b, 0))
+            self.plain[b] = y if prev is None else prev + w * (y - prev)
+            self._plain_at[b] = self._steps[b]
         for d in range(1, k + 1):
             parents = [m for m in drafted if m >= d - 1]  # drafts that reached depth d-1
             if not parents:
