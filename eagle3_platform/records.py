@@ -15,7 +15,7 @@ import os
 import re
 from collections import Counter
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Literal
+from typing import Any, Callable, Iterable, Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -220,14 +220,20 @@ def write_jsonl_atomic(path: str | Path, rows: Iterable[BaseModel | dict]) -> in
     return n
 
 
-def write_json_atomic(path: str | Path, obj: object) -> None:
-    """One JSON document, written beside and renamed over path: never seen half-written. A per-process
-    temp name, so two processes filling a shared cache do not write into each other's file."""
+def atomic_write(path: str | Path, write: Callable[[Path], object]) -> None:
+    """write(tmp) fills a file beside path, which is then renamed over path: readers see the old file
+    or the whole new one, never half of it. A per-process temp name, so two processes filling a shared
+    cache do not write into each other's file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj), encoding="utf-8")
+    write(tmp)
     os.replace(tmp, path)
+
+
+def write_json_atomic(path: str | Path, obj: object, indent: int | None = None) -> None:
+    """One JSON document, written atomically (atomic_write)."""
+    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=indent), encoding="utf-8"))
 
 
 class JsonlAppender:

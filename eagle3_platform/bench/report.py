@@ -8,10 +8,10 @@ from __future__ import annotations
 import base64
 import html
 import json
-import os
 from pathlib import Path
 
 from eagle3_platform.draft.metrics import acceptance_length
+from eagle3_platform.records import atomic_write
 
 ALL = "all"
 PLOTS = {
@@ -188,12 +188,6 @@ def html_report(results: dict, out_dir: Path, plots: list[str]) -> str:
             + f"<h2>Plots</h2>{imgs}<h2>Config</h2><pre>{cfg}</pre></body></html>")
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def write_report(results: dict, out_dir: str | Path) -> dict:
     """Writes plots, report.md, report.html and results.json; returns their paths."""
     out_dir = Path(out_dir)
@@ -207,8 +201,8 @@ def write_report(results: dict, out_dir: str | Path) -> dict:
         plots.append(TAU_PLOT)
     files = {"results": str(out_dir / "results.json"), "markdown": str(out_dir / "report.md"),
              "html": str(out_dir / "report.html"), "plots": [str(out_dir / p) for p in plots]}
-    _atomic_write(out_dir / "report.md", markdown(results, plots))
-    _atomic_write(out_dir / "report.html", html_report(results, out_dir, plots))
-    _atomic_write(out_dir / "results.json",
-                  json.dumps({**results, "files": files}, indent=2, default=str))
+    for name, text in (("report.md", markdown(results, plots)),
+                       ("report.html", html_report(results, out_dir, plots)),
+                       ("results.json", json.dumps({**results, "files": files}, indent=2, default=str))):
+        atomic_write(out_dir / name, lambda tmp, text=text: tmp.write_text(text, encoding="utf-8"))
     return files

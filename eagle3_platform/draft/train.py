@@ -33,6 +33,7 @@ from eagle3_platform.draft.model import DraftConfig, Eagle3Draft, build_draft, t
     target_hf_config
 from eagle3_platform.draft.ttt import TTTLoss, batch_targets, collate, step_masks
 from eagle3_platform.draft.vocab import load_vocab, save_vocab, vocab_from_features
+from eagle3_platform.records import atomic_write, write_json_atomic
 
 DRAFT_WEIGHTS, DRAFT_CONFIG, METRICS, VOCAB = "draft.safetensors", "draft_config.json", "metrics.json", \
     "vocab.safetensors"
@@ -391,26 +392,19 @@ def _cfg_dict(cfg: TrainConfig) -> dict:
     return d
 
 
-def _atomic(path: Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
-
-
 def save_draft_dir(out_dir, draft: Eagle3Draft, meta: dict | None = None) -> Path:
     """draft.safetensors (head weights + d2t/t2d) + draft_config.json ({"draft": DraftConfig, ...meta})."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    _atomic(out_dir / DRAFT_WEIGHTS, lambda p: save_file(draft.head_state_dict(), str(p)))
-    full = {"draft": draft.cfg.to_dict(), **(meta or {})}
-    _atomic(out_dir / DRAFT_CONFIG, lambda p: p.write_text(json.dumps(full, indent=2)))
+    atomic_write(out_dir / DRAFT_WEIGHTS, lambda p: save_file(draft.head_state_dict(), str(p)))
+    write_json_atomic(out_dir / DRAFT_CONFIG, {"draft": draft.cfg.to_dict(), **(meta or {})}, indent=2)
     return out_dir
 
 
 def _write_outputs(out_dir: Path, draft: Eagle3Draft, cfg: TrainConfig, expect: dict, feature_dirs,
                    summary: dict) -> None:
     save_draft_dir(out_dir, draft, {"target": expect, "train": _cfg_dict(cfg), "feature_dirs": feature_dirs})
-    _atomic(out_dir / METRICS, lambda p: p.write_text(json.dumps(summary, indent=2)))
+    write_json_atomic(out_dir / METRICS, summary, indent=2)
 
 
 def load_draft_dir(draft_dir, target_dir) -> Eagle3Draft:
