@@ -1,6 +1,7 @@
-"""The decode benchmarks (`scripts/bench_decode.py`, `scripts/bench_batch.py`) run end to end on the tiny
-target with a random exported head: every method named by the flags gets a row, and in fp32 every
-speculative row emits exactly plain greedy decoding's tokens (the scripts' own agreement figures)."""
+"""The decode benchmarks (`scripts/bench_decode.py`, `scripts/bench_batch.py`, `scripts/bench_serve.py`) run
+end to end on the tiny target with a random exported head: every method named by the flags gets a row,
+and in fp32 every speculative row emits exactly plain greedy decoding's tokens (the scripts' own
+agreement figures)."""
 from __future__ import annotations
 
 import json
@@ -15,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 import bench_batch  # noqa: E402
 import bench_decode  # noqa: E402
+import bench_serve  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -56,3 +58,19 @@ def test_bench_batch_rows_and_fp32_invariance(tiny_target_dir, random_head_expor
     assert rows[(3, "eagle3_k2")]["mean_draft_size"] == 2 and rows[(3, "eagle3_k2")]["tau"] >= 1.0
     for name in ("baseline", "eagle3"):  # fp32: a request's tokens do not depend on its batch
         assert result["invariance"][name] == {"batch": 3, "requests_differing": 0.0, "token_agreement": 1.0}
+
+
+def test_bench_serve_rows_and_fp32_outputs_match_the_baseline(tiny_target_dir, random_head_export, tmp_path):
+    """Rotated rounds through the server's worker: a row per level and method, and in fp32 every
+    request's greedy output is the baseline's, whatever shared its batch (continuous batching)."""
+    out = tmp_path / "bs.json"
+    assert bench_serve.main([
+        "--target", str(tiny_target_dir), "--draft", str(random_head_export), "--n-prompts", "3",
+        "--concurrency", "1,3", "--rounds", "2", "--max-tokens", "8", "--dtype", "float32",
+        "--spec", "chain", "--fixed-draft", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = {(r["concurrency"], r["method"]): r for r in result["rows"]}
+    assert set(rows) == {(c, m) for c in (1, 3) for m in ("baseline", "eagle3", "eagle3_fixed")}
+    assert all(r["tok_s"] > 0 and r["outputs_differing_from_baseline"] == 0 for r in rows.values())
+    assert rows[(3, "eagle3")]["requests"] == 12 and rows[(1, "baseline")]["vs_baseline"] == 1.0
+    assert sum(rows[(1, "eagle3")]["draft_size_hist"].values()) > 0  # the policy chose every step
