@@ -208,7 +208,8 @@ class DraftSizePolicy:
         y = seconds / batch_size
         self.lines.setdefault(b, CostLine()).add(max(drafted, default=0), y)
         if k == 0:  # the mean forgets per step of the bucket, as the line does, not per plain step
-            prev, w = self.plain.get(b), 1 - (1 - EMA) ** (self._steps[b] - self._plain_at.get(b, 0))
+            gap = max(1, self._steps[b] - self._plain_at.get(b, 0))  # >= 1: an observe without a choose
+            prev, w = self.plain.get(b), 1 - (1 - EMA) ** gap
             self.plain[b] = y if prev is None else prev + w * (y - prev)
             self._plain_at[b] = self._steps[b]
         for d in range(1, k + 1):
