@@ -9,8 +9,8 @@ in flight through `EngineWorker` (continuous batching, chunked prefill, the draf
 `eagle3 serve` runs), and a method's figure is Σ tokens / Σ wall over all rounds.
 
 Methods: baseline (no head), eagle3 (the head, draft size chosen per step by spec/policy.py, one
-policy across all levels as in a server), and with --fixed-draft eagle3_fixed (the head's full draft at
-every step, no policy). Per level and method: output tok/s, the ratio to baseline, the draft sizes
+policy across all levels as in a server), and with --fixed K,... eagle3_kK (the head with draft size K
+at every step; K = 0 is the head's upkeep alone: features captured and queued, nothing drafted). Per level and method: output tok/s, the ratio to baseline, the draft sizes
 chosen; and per method the share of requests whose greedy output differs from baseline's (exact in
 fp32; bf16 kernels are not batch-invariant).
 
@@ -38,6 +38,22 @@ from eagle3_platform.spec.policy import DraftSizePolicy  # noqa: E402
 from eagle3_platform.target import load_target  # noqa: E402
 
 MAX_QUEUE, MAX_BATCH, PREFILL_CHUNK = 64, 16, 256  # the cpu serve preset's
+
+
+class FixedDraftSize:
+    """A policy that always answers k (the worker's policy interface)."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def choose(self, batch_size: int) -> int:
+        return self.k
+
+    def observe(self, *args, **kwargs) -> None:
+        pass
+
+    def info(self) -> dict:
+        return {"draft_size_current": self.k}
 
 
 def serve(worker: EngineWorker, requests: list[list[int]], clients: int, max_tokens: int):
@@ -88,7 +104,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=4, help="rounds per level (each method once per round)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--spec", default="chain_adaptive_lookup", help="spec preset (the cpu servers')")
-    ap.add_argument("--fixed-draft", action="store_true", help="also the head without the policy")
+    ap.add_argument("--fixed", default="", help="fixed draft sizes to compare, e.g. 0,1 (0: upkeep alone)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=1, help="torch threads outside the forwards (server: 1)")
     ap.add_argument("--target-threads", type=int, default=0, help="threads of the target's forwards (0 = all)")
@@ -108,8 +124,8 @@ def main(argv=None) -> int:
     policy = DraftSizePolicy(eagle.cfg.num_draft_tokens - 1)
     workers = {"baseline": EngineWorker(base, MAX_QUEUE, MAX_BATCH, PREFILL_CHUNK),
                "eagle3": EngineWorker(eagle, MAX_QUEUE, MAX_BATCH, PREFILL_CHUNK, policy)}
-    if a.fixed_draft:
-        workers["eagle3_fixed"] = EngineWorker(eagle, MAX_QUEUE, MAX_BATCH, PREFILL_CHUNK)
+    for k in (int(k) for k in a.fixed.split(",") if k):
+        workers[f"eagle3_k{k}"] = EngineWorker(eagle, MAX_QUEUE, MAX_BATCH, PREFILL_CHUNK, FixedDraftSize(k))
     for w in workers.values():
         w.start()
     names, rows = list(workers), []

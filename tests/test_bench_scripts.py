@@ -67,10 +67,10 @@ def test_bench_serve_rows_and_fp32_outputs_match_the_baseline(tiny_target_dir, r
     assert bench_serve.main([
         "--target", str(tiny_target_dir), "--draft", str(random_head_export), "--n-prompts", "3",
         "--concurrency", "1,3", "--rounds", "2", "--max-tokens", "8", "--dtype", "float32",
-        "--spec", "chain", "--fixed-draft", "--out", str(out)]) == 0
+        "--spec", "chain", "--fixed", "0,2", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     rows = {(r["concurrency"], r["method"]): r for r in result["rows"]}
-    assert set(rows) == {(c, m) for c in (1, 3) for m in ("baseline", "eagle3", "eagle3_fixed")}
+    assert set(rows) == {(c, m) for c in (1, 3) for m in ("baseline", "eagle3", "eagle3_k0", "eagle3_k2")}
     assert all(r["tok_s"] > 0 and r["outputs_differing_from_baseline"] == 0 for r in rows.values())
     assert rows[(3, "eagle3")]["requests"] == 12 and rows[(1, "baseline")]["vs_baseline"] == 1.0
     assert sum(rows[(1, "eagle3")]["draft_size_hist"].values()) > 0  # the policy chose every step
