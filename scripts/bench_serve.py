@@ -10,9 +10,10 @@ in flight through `EngineWorker` (continuous batching, chunked prefill, the draf
 
 Methods: baseline (no head), eagle3 (the head, draft size chosen per step by spec/policy.py, one
 policy across all levels as in a server), and with --fixed K,... eagle3_kK (the head with draft size K
-at every step; K = 0 is the head's upkeep alone: features captured and queued, nothing drafted). Per level and method: output tok/s, the ratio to baseline, the draft sizes
-chosen; and per method the share of requests whose greedy output differs from baseline's (exact in
-fp32; bf16 kernels are not batch-invariant).
+at every step; K = 0 is the head's upkeep alone: features captured and queued, nothing drafted). Per
+level and method: output tok/s, the ratio to baseline, the draft sizes chosen, and against baseline's
+greedy outputs the share of requests that differ and of tokens before the first difference
+(bench_batch.agreement; exact in fp32, bf16 kernels are not batch-invariant).
 
   python scripts/bench_serve.py --target T --draft EXPORT --concurrency 1,2,4,8 --rounds 4 --out serve.json
 """
@@ -29,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+from bench_batch import agreement  # noqa: E402
 from bench_decode import load_prompt_ids  # noqa: E402
 
 from eagle3_platform.serve.worker import EngineWorker, Job  # noqa: E402
@@ -90,10 +92,6 @@ def serve(worker: EngineWorker, requests: list[list[int]], clients: int, max_tok
     return outs, time.perf_counter() - t0
 
 
-def differing(outs: list[list[int]], ref: list[list[int]]) -> int:
-    return sum(a != b for a, b in zip(outs, ref))
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", required=True)
@@ -107,7 +105,7 @@ def main(argv=None) -> int:
     ap.add_argument("--fixed", default="", help="fixed draft sizes to compare, e.g. 0,1 (0: upkeep alone)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=1, help="torch threads outside the forwards (server: 1)")
-    ap.add_argument("--target-threads", type=int, default=0, help="threads of the target's forwards (0 = all)")
+    ap.add_argument("--target-threads", type=int, default=0, help="the target's forward threads (0 = all)")
     ap.add_argument("--draft-threads", type=int, default=0, help="threads of the head's drafting (0 = all)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -132,26 +130,22 @@ def main(argv=None) -> int:
     try:
         serve(workers["baseline"], prompts[:1], 1, 4)  # warm-up
         for c in levels:
-            tokens, seconds = dict.fromkeys(names, 0), dict.fromkeys(names, 0.0)
-            diff, hist0, served = dict.fromkeys(names, 0), dict(policy.hist), 0
+            outs, seconds, hist0 = {m: [] for m in names}, dict.fromkeys(names, 0.0), dict(policy.hist)
             for r in range(a.rounds):
                 requests = [prompts[(r * 2 * c + i) % len(prompts)] for i in range(2 * c)]
-                outs = {}
                 for m in names[r % len(names):] + names[:r % len(names)]:  # rotate the order
-                    outs[m], s = serve(workers[m], requests, c, a.max_tokens)
-                    tokens[m] += sum(len(o) for o in outs[m])
+                    round_outs, s = serve(workers[m], requests, c, a.max_tokens)
+                    outs[m] += round_outs
                     seconds[m] += s
-                for m in names:
-                    diff[m] += differing(outs[m], outs["baseline"])
-                served += len(requests)
                 print(f"[bench] c={c} round {r + 1}/{a.rounds}", file=sys.stderr, flush=True)
-            base_rate = tokens["baseline"] / seconds["baseline"]
+            rate = {m: sum(len(o) for o in outs[m]) / seconds[m] for m in names}
             hist = {k: n - hist0.get(k, 0) for k, n in sorted(policy.hist.items()) if n > hist0.get(k, 0)}
             for m in names:
-                rate = tokens[m] / seconds[m]
-                row = {"concurrency": c, "method": m, "tok_s": round(rate, 2),
-                       "vs_baseline": round(rate / base_rate, 3), "requests": served,
-                       "outputs_differing_from_baseline": diff[m] / served,
+                same = agreement(outs[m], outs["baseline"])
+                row = {"concurrency": c, "method": m, "tok_s": round(rate[m], 2),
+                       "vs_baseline": round(rate[m] / rate["baseline"], 3), "requests": len(outs[m]),
+                       "outputs_differing_from_baseline": same["requests_differing"],
+                       "token_agreement_with_baseline": same["token_agreement"],
                        "draft_size_hist": hist if m == "eagle3" else None}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
