@@ -15,10 +15,11 @@ import os
 import re
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Literal
+from typing import Any, Callable, Iterable, Iterator, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+T = TypeVar("T")
 WORKLOADS = ("chat", "multi_turn", "code", "math", "long_context")
 Role = Literal["system", "user", "assistant"]
 
@@ -205,35 +206,34 @@ def read_jsonl(path: str | Path, tolerate_torn_tail: bool = False) -> Iterator[d
 
 
 def write_jsonl_atomic(path: str | Path, rows: Iterable[BaseModel | dict]) -> int:
-    """Write all rows to path.tmp, fsync, rename: readers never see a half-written file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    n = 0
-    with open(tmp, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(_dump(row) + "\n")
-            n += 1
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return n
+    """Write all rows, fsync, rename (atomic_write): readers never see a half-written file. -> rows."""
+    def write(tmp: Path) -> int:
+        n = 0
+        with open(tmp, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(_dump(row) + "\n")
+                n += 1
+            f.flush()
+            os.fsync(f.fileno())
+        return n
+    return atomic_write(path, write)
 
 
-def atomic_write(path: str | Path, write: Callable[[Path], object]) -> None:
+def atomic_write(path: str | Path, write: Callable[[Path], T]) -> T:
     """write(tmp) fills a file beside path, which is then renamed over path: readers see the old file
     or the whole new one, never half of it. A per-process temp name, so two processes filling a shared
-    cache do not write into each other's file."""
+    cache do not write into each other's file. -> what write returned."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    write(tmp)
+    out = write(tmp)
     os.replace(tmp, path)
+    return out
 
 
-def write_json_atomic(path: str | Path, obj: object, indent: int | None = None) -> None:
-    """One JSON document, written atomically (atomic_write)."""
-    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=indent), encoding="utf-8"))
+def write_json_atomic(path: str | Path, obj: object, **dumps_kw) -> None:
+    """One JSON document (json.dumps(obj, **dumps_kw)), written atomically (atomic_write)."""
+    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(obj, **dumps_kw), encoding="utf-8"))
 
 
 class JsonlAppender:

@@ -1,11 +1,10 @@
 """`eagle3 eval`: τ, tok/s and losslessness of a draft head on prompt records."""
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 from eagle3_platform.cli_args import output_file, require_positive
+from eagle3_platform.records import write_json_atomic
 from eagle3_platform.spec.config import PRESETS, get_preset
 
 
@@ -39,11 +38,7 @@ def run_eval(args) -> dict:
     result = evaluate(args.target, args.draft, args.prompts, get_preset(args.spec), args.max_new_tokens,
                       args.verify_lossless, args.limit, args.temperature)
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(result, indent=2, sort_keys=True))
-        os.replace(tmp, out)
+        write_json_atomic(args.out, result, indent=2, sort_keys=True)
     summary = {k: v for k, v in result.items() if k != "per_prompt"}
     summary.setdefault("lossless_mismatches", None)  # only counted with --verify-lossless
     return summary
