@@ -172,6 +172,8 @@ def run(a: argparse.Namespace) -> dict:
 def _step(instance, defs, graph, name, keys, partition, force) -> dict:
     from dagster import materialize
 
+    from assets.responses import REBUILD_TAG
+
     storage = defs.resources["storage"]
     reasons = {k: "--force" if force else stale_reason(instance, graph, storage, k, partition) for k in keys}
     first = next((i for i, k in enumerate(keys) if reasons[k]), None)
@@ -184,7 +186,7 @@ def _step(instance, defs, graph, name, keys, partition, force) -> dict:
     t = time.perf_counter()
     result = materialize([*defs.assets, *defs.asset_checks], selection=selection, partition_key=partition,
                          instance=instance, resources=defs.resources, run_config=RUN_CONFIG, raise_on_error=False,
-                         tags={"eagle3/launched_by": "pipeline"})
+                         tags={"eagle3/launched_by": "pipeline", **({REBUILD_TAG: "true"} if force else {})})
     dt = time.perf_counter() - t
     if not result.success:
         raise RuntimeError(f"{name} failed after {dt:.0f}s (run {result.run_id}); "

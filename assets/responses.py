@@ -1,34 +1,82 @@
 """`target_responses`: the target regenerates every assistant turn under its own chat template;
-records carry input_ids + loss_mask (response tokens only), template hash and target id."""
+records carry input_ids + loss_mask (response tokens only), template hash and target id.
 
-from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
+A new regeneration time budget makes the responses stale, yet what an earlier budget answered stays
+right: when the only change since the partition's last materialization is the budget (same code, other
+settings and prompts: `continue_version`), the step continues the published output, answering what
+the smaller budget deferred, instead of regenerating it all. Any other change, or a run tagged
+`eagle3/rebuild` (`eagle3 run --force`), starts afresh.
+"""
+
+import hashlib
+
+from dagster import AssetExecutionContext, AssetRecordsFilter, MaterializeResult, MetadataValue, asset
 
 from assets.metadata import check_accounting, summary_metadata
 from assets.partitions import SPLITS, Keys, workload_partitions
 from assets.sensors import REBUILD_WHEN_UPSTREAM_CHANGED
 from assets.prompts import filtered_prompts
-from eagle3_platform.data.stages import RegenerateRequest
+from assets.versions import code_version
+from eagle3_platform.data.stages import PublishedResponses, RegenerateRequest
 from resources import ComputeResource, PresetResource, StorageResource, TargetResource
 
 LOCAL_PATHS = ("uri", "out", "rejected_path")  # staging paths: gone after publishing, URIs reported instead
+REBUILD_TAG = "eagle3/rebuild"  # a run tag: "true" regenerates from scratch, continuing nothing
 
 
-def _regen_split(context, w: str, split: str, storage, target, preset, compute) -> dict:
+def _regen_split(context, w: str, split: str, storage, target, preset, compute, last: dict) -> dict:
     from eagle3_platform.records import sha256_file
 
     kept = storage.fetch(Keys.kept(w, split))
+    kept_hash = sha256_file(kept)
     # Staging is keyed by the input's hash: a killed run resumes from its appended output; a changed
     # input starts fresh.
-    stage = storage.staging(Keys.conversations(w, split), preset.staging_key(sha256_file(kept)))
+    stage = storage.staging(Keys.conversations(w, split), preset.staging_key(kept_hash))
     out, rej = stage / "conversations.jsonl", stage / "rejected.jsonl"
+    version = hashlib.sha256(f"{code_version('target_responses', preset, target, continuable=False)}:"
+                             f"{kept_hash}".encode()).hexdigest()[:16]
+    published, why = _continuable(context, storage, w, split, version, preset, last,
+                                  prefix="" if split == "train" else "eval_")
     summary = compute.run(context, RegenerateRequest(
         target=str(target.dir()), in_path=str(kept), out=str(out), rejected=str(rej), preset=preset.name,
         max_length=target.max_length, endpoint=target.endpoint, time_budget_s=preset.regen_time_budget_s,
-        **preset.compute()))
+        continue_from=published, **preset.compute()))
     check_accounting(summary, "written", f"{w}/{split}")
+    summary.setdefault("continued_published", f"no: {why}")
+    summary["continue_version"] = version
     summary["uri"] = storage.publish_from(out, Keys.conversations(w, split))
     summary["rejected_uri"] = storage.publish_from(rej, Keys.responses_rejected(w, split))
     return summary
+
+
+def _continuable(context, storage, w, split, version, preset, last: dict, prefix: str):
+    """-> (the published output of this split, None) if this run may continue it: its last
+    materialization was made at `version` under another time budget, and the run is not a forced
+    rebuild; else (None, why not)."""
+    budget = preset.config().regen.time_budget_s
+    if context.run.tags.get(REBUILD_TAG) == "true":
+        return None, f"a forced rebuild ({REBUILD_TAG})"
+    if not last:
+        return None, "the first build"
+    if last.get(f"{prefix}continue_version") != version:
+        return None, "code, settings or prompts changed since the last build"
+    if last.get(f"{prefix}time_budget_s") == budget:
+        return None, "the time budget is the last build's"
+    if not storage.exists(Keys.conversations(w, split)):
+        return None, "the published output is gone"
+    rejected = Keys.responses_rejected(w, split)
+    return PublishedResponses(out=str(storage.fetch(Keys.conversations(w, split))),
+                              rejected=str(storage.fetch(rejected)) if storage.exists(rejected) else None,
+                              spent_s=float(last.get(f"{prefix}time_spent_s") or 0.0)), ""
+
+
+def _last_metadata(context) -> dict:
+    """Plain values of the partition's latest materialization's metadata ({} if none)."""
+    records = context.instance.fetch_materializations(
+        AssetRecordsFilter(asset_key=context.asset_key, asset_partitions=[context.partition_key]), limit=1).records
+    if not records:
+        return {}
+    return {k: getattr(v, "value", v) for k, v in records[0].asset_materialization.metadata.items()}
 
 
 @asset(partitions_def=workload_partitions, automation_condition=REBUILD_WHEN_UPSTREAM_CHANGED,
@@ -38,7 +86,8 @@ def target_responses(context: AssetExecutionContext, storage: StorageResource, t
                      preset: PresetResource, compute: ComputeResource) -> MaterializeResult:
     """Conversation records regenerated by the target (both splits)."""
     w = context.partition_key
-    res = {s: _regen_split(context, w, s, storage, target, preset, compute) for s in SPLITS}
+    last = _last_metadata(context)
+    res = {s: _regen_split(context, w, s, storage, target, preset, compute, last) for s in SPLITS}
     meta = {"workload": w, "preset": preset.name, **target.lineage(),
             "template_hash": res["train"].get("template_hash", ""),
             "conversations_uri": MetadataValue.path(res["train"]["uri"]),

@@ -36,6 +36,9 @@ INPUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 # (a regeneration time budget or batch size does not change which prompts are kept)
 AREA_FIELDS: dict[tuple[str, str], tuple[str, ...]] = {
     ("filtered_prompts", "regen"): ("max_length", "max_new_tokens")}
+# settings an output can be continued under: made under one value, it is where a run under another
+# would have been had it stopped there (a larger time budget only answers what a smaller one deferred)
+CONTINUABLE: dict[tuple[str, str], tuple[str, ...]] = {("target_responses", "regen"): ("time_budget_s",)}
 
 
 def _files(rel: str) -> list[Path]:
@@ -51,22 +54,28 @@ def source_hash(paths) -> str:
     return h.hexdigest()
 
 
-def settings(asset: str, preset, target) -> dict:
-    """The resolved settings an asset's output depends on (preset and target resources)."""
+def settings(asset: str, preset, target, continuable: bool = True) -> dict:
+    """The resolved settings an asset's output depends on (preset and target resources); without the
+    CONTINUABLE ones when continuable is False."""
     paths, area_names = INPUTS[asset]
     config = preset.config()
     areas = {a: dataclasses.asdict(getattr(config, a)) for a in area_names}
     for (name, area), fields in AREA_FIELDS.items():
         if name == asset:
             areas[area] = {k: areas[area][k] for k in fields}
+    for (name, area), fields in CONTINUABLE.items():
+        if name == asset and not continuable:
+            areas[area] = {k: v for k, v in areas[area].items() if k not in fields}
     runs_model = "eagle3_platform/compute.py" in paths  # only then do the dtype/threads overrides count
     return {"preset": preset.name, "compute": preset.compute() if runs_model else {}, "areas": areas,
             "target": {"model": target.model, "max_length": target.max_length, "endpoint": target.endpoint}}
 
 
-def code_version(asset: str, preset, target) -> str:
+def code_version(asset: str, preset, target, continuable: bool = True) -> str:
+    """continuable=False: the version an earlier output must have been made at to be continued (the
+    CONTINUABLE settings left out)."""
     paths, _ = INPUTS[asset]
-    blob = json.dumps(settings(asset, preset, target), sort_keys=True, default=str)
+    blob = json.dumps(settings(asset, preset, target, continuable), sort_keys=True, default=str)
     return hashlib.sha256((source_hash((*SHARED, *paths)) + blob).encode()).hexdigest()[:16]
 
 

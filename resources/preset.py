@@ -19,9 +19,10 @@ class PresetResource(ConfigurableResource):
     name: str = DEFAULT_PRESET
     dtype: str | None = None  # auto | bfloat16 | float32 (checked by each request); None: the presets'
     torch_threads: int | None = None  # None: each area preset's own; 0 = every core
-    # None: the preset's; 0: no limit. It changes the responses' code version (stale: rebuilt under the
-    # new budget) but not staging_key, so a step that failed or stopped before publishing resumes its
-    # staging output and takes up what it deferred.
+    # None: the preset's; 0: no limit. It changes the responses' code version (stale) but not
+    # staging_key, so a step that failed or stopped before publishing resumes its staging output and
+    # takes up what it deferred; a published output made under another budget is continued
+    # (assets/responses.py).
     regen_time_budget_s: float | None = None
 
     def config(self):

@@ -84,3 +84,27 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture()
+def answer_clock(monkeypatch) -> list[int]:
+    """Regeneration's time budget counts answered turns instead of seconds, each TimeBudget from its
+    own start (as a process's clock would), so where it runs out does not depend on the machine's
+    speed. [0]: the turns answered so far in this test."""
+    import eagle3_platform.data.regenerate as regen
+
+    answered = [0]
+    answer, init = regen.Turns.answer, regen.TimeBudget.__init__
+
+    def counting(self, *a, **k):
+        answered[0] += 1
+        return answer(self, *a, **k)
+
+    def starting(self, *a, **k):
+        init(self, *a, **k)
+        self.answered_at_start = answered[0]
+
+    monkeypatch.setattr(regen.Turns, "answer", counting)
+    monkeypatch.setattr(regen.TimeBudget, "__init__", starting)
+    monkeypatch.setattr(regen.TimeBudget, "spent", lambda self: self.before + answered[0] - self.answered_at_start)
+    return answered

@@ -226,3 +226,50 @@ def test_a_regeneration_budget_override_reaches_the_stage_and_a_raised_one_takes
     m = meta(run(["target_responses"], res, instance, WORKLOAD), "target_responses")
     assert m["deferred_retried"] == deferred and m["written"] + m["rejected"] == m["read"] == deferred
     assert m["time_budget_s"] == 3600 and "budget:time" not in str(m.get("by_reason", ""))
+
+
+def test_a_raised_regeneration_budget_continues_the_published_responses_and_a_forced_run_starts_afresh(
+        tmp_path, tiny_target_dir, instance, answer_clock):
+    """Only the budget changed since the partition's last materialization: the step copies the published
+    output back and answers what the smaller budget deferred. `eagle3 run --force` (the rebuild tag)
+    regenerates everything, and its complete records are the continued run's (fp32 greedy)."""
+    from dagster import materialize
+
+    from assets.partitions import Keys
+    from assets.responses import REBUILD_TAG
+    from dagster_helpers import GRAPH
+    from eagle3_platform.records import read_jsonl
+    from resources import PresetResource
+
+    storage = StorageResource(root=str(tmp_path))
+    res = tiny_resources(storage, tiny_target_dir)
+    run(["filtered_prompts"], res, instance, WORKLOAD)
+    conversations = storage.local_path(Keys.conversations(WORKLOAD))
+    rejected = storage.local_path(Keys.responses_rejected(WORKLOAD))
+
+    res["preset"] = PresetResource(name="tiny", regen_time_budget_s=2)  # 2 answered turns a split
+    small = meta(run(["target_responses"], res, instance, WORKLOAD), "target_responses")
+    deferred = sum(r["reason"] == "budget:time" for r in read_jsonl(rejected))
+    assert deferred >= 1 and small["written"] >= 1 and small["continue_version"]
+    published = conversations.read_bytes()
+
+    res["preset"] = PresetResource(name="tiny", regen_time_budget_s=3600)
+    asked = answer_clock[0]
+    big = meta(run(["target_responses"], res, instance, WORKLOAD), "target_responses")
+    asked = answer_clock[0] - asked
+    assert big["continued_published"] == f"{small['written']} records"
+    assert big["eval_continued_published"] == f"{small['eval_written']} records"
+    assert big["deferred_retried"] == deferred and big["written"] + big["rejected"] == big["read"]
+    assert not any(r["reason"] == "budget:time" for r in read_jsonl(rejected))
+    assert conversations.read_bytes().startswith(published)  # what the small budget made, kept as it was
+    continued = {r["id"]: r for r in read_jsonl(conversations)}
+
+    again = answer_clock[0]
+    forced = materialize(GRAPH, selection=["target_responses"], partition_key=WORKLOAD, instance=instance,
+                         resources=res, tags={REBUILD_TAG: "true"})
+    f = meta(forced, "target_responses")
+    assert f["continued_published"] == "no: a forced rebuild (eagle3/rebuild)" and f["resumed"] == 0 and f["written"] == big["written"]
+    assert answer_clock[0] - again > asked  # every turn asked again
+    rebuilt = {r["id"]: r for r in read_jsonl(conversations)}
+    complete = {i for i, r in rebuilt.items() if not r["generation"]["dropped_turns"]}
+    assert complete and {i: continued[i] for i in complete} == {i: rebuilt[i] for i in complete}

@@ -60,6 +60,11 @@ def test_code_versions_follow_code_and_settings(tmp_path):
     assert code_version("feature_shards", budget, t) == code_version("feature_shards", tiny, t)
     assert code_version("filtered_prompts", budget, t) == code_version("filtered_prompts", tiny, t)
     assert budget.staging_key("abc") == tiny.staging_key("abc")
+    # ...and an output made under one budget may be continued under another, under no other change
+    assert (code_version("target_responses", budget, t, continuable=False)
+            == code_version("target_responses", tiny, t, continuable=False))
+    assert (code_version("target_responses", bf16, t, continuable=False)
+            != code_version("target_responses", tiny, t, continuable=False))
     assert PresetResource(name="cpu", regen_time_budget_s=0).config().regen.time_budget_s is None
     (tmp_path / "m.py").write_text("x = 1\n")
     before = source_hash([str(tmp_path / "m.py")])

@@ -84,3 +84,28 @@ def test_the_regeneration_budget_flag_reaches_the_pipeline_and_a_negative_one_is
     with pytest.raises(SystemExit):
         pipeline.parse_args(["--regen-budget-min", "-1"])
     assert "minutes must be >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_force_tags_its_runs_as_rebuilds_so_nothing_published_is_continued(instance, monkeypatch, force):
+    import dagster
+
+    from assets.responses import REBUILD_TAG
+    from definitions import build_definitions
+
+    class Launched(Exception):
+        pass
+
+    tags = {}
+
+    def launch(*args, **kwargs):
+        tags.update(kwargs["tags"])
+        raise Launched
+
+    monkeypatch.setattr(dagster, "materialize", launch)
+    defs = build_definitions(preset="tiny", target="tiny-random")
+    graph = defs.resolve_asset_graph()
+    name, keys, partition = pipeline.plan(graph, "target_responses", ["code"])[0]
+    with pytest.raises(Launched):  # missing, so launched either way
+        pipeline._step(instance, defs, graph, name, keys, partition, force)
+    assert tags.get(REBUILD_TAG) == ("true" if force else None)

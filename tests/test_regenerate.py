@@ -636,23 +636,6 @@ def test_progress_counts_answered_turns_before_a_conversation_is_written(tiny_ta
 
 # ----------------------------------------------------------------------------------- time budget
 
-def spend_per_answer(monkeypatch) -> list[int]:
-    """The time budget's clock counts answered turns instead of seconds (this run's: [0] is the count),
-    so where it runs out does not depend on the machine's speed."""
-    import eagle3_platform.data.regenerate as regen
-
-    answered = [0]
-    answer = regen.Turns.answer
-
-    def counting(self, *a, **k):
-        answered[0] += 1
-        return answer(self, *a, **k)
-
-    monkeypatch.setattr(regen.Turns, "answer", counting)
-    monkeypatch.setattr(regen.TimeBudget, "spent", lambda self: self.before + answered[0])
-    return answered
-
-
 def test_a_closed_stream_ends_its_rows_where_they_are_and_leaves_the_queue_to_the_caller(varied, tok):
     from collections import deque
 
@@ -692,7 +675,7 @@ def test_plan_windows_are_random_draws_in_length_order_when_a_budget_may_cut_the
 
 
 def test_a_spent_time_budget_defers_what_has_not_begun_and_a_rerun_with_budget_left_takes_it_up(
-        tiny_target_dir, tok, tmp_path, monkeypatch, varied_regen):
+        tiny_target_dir, tok, tmp_path, answer_clock, varied_regen):
     prompts = mixed_prompts(12)
     inp = write_prompts(tmp_path / "in.jsonl", prompts)
     cfg = replace(TINY, batch_size=2, window_batches=1, random_order=True)
@@ -700,7 +683,6 @@ def test_a_spent_time_budget_defers_what_has_not_begun_and_a_rerun_with_budget_l
     regenerate_file(tiny_target_dir, inp, ref, cfg, scanner=NoScan())
     want = {r["id"]: r for r in read_jsonl(ref)}
 
-    answered_now = spend_per_answer(monkeypatch)
     out, rej = tmp_path / "out.jsonl", tmp_path / "rej.jsonl"
     budget = replace(cfg, time_budget_s=4)  # spent after 4 answered turns
     s = regenerate_file(tiny_target_dir, inp, out, budget, rejected_path=rej, scanner=NoScan())
@@ -739,14 +721,72 @@ def test_a_spent_time_budget_defers_what_has_not_begun_and_a_rerun_with_budget_l
     # it does not inherit a budget spent on records that are gone
     out.rename(tmp_path / "published.jsonl")
     rej.unlink()
-    answered_now[0] = 0  # a new process's clock
     fresh = regenerate_file(tiny_target_dir, inp, out, budget, rejected_path=rej, scanner=NoScan())
     assert fresh["written"] == s["written"] and fresh["by_reason"] == s["by_reason"]
 
 
+def test_a_published_output_is_continued_only_under_this_runs_key_and_prompts(
+        tiny_target_dir, tmp_path, answer_clock, varied_regen):
+    """continue_from: a published output (moved away from --out) is copied back with the budget it
+    spent, so a raised budget asks only what the smaller one deferred; an output of other settings
+    or other prompts is not continued. The published files are never changed."""
+    from eagle3_platform.data.regenerate import Published
+
+    prompts = mixed_prompts(12)
+    inp = write_prompts(tmp_path / "in.jsonl", prompts)
+    cfg = replace(TINY, batch_size=2, window_batches=1, random_order=True)
+    full = regenerate_file(tiny_target_dir, inp, tmp_path / "ref.jsonl", cfg, scanner=NoScan())
+    turns_full = answer_clock[0]
+    want = {r["id"]: r for r in read_jsonl(tmp_path / "ref.jsonl")}
+
+    out, rej = tmp_path / "out.jsonl", tmp_path / "rej.jsonl"
+    budget = replace(cfg, time_budget_s=4)  # spent after 4 answered turns
+    s = regenerate_file(tiny_target_dir, inp, out, budget, rejected_path=rej, scanner=NoScan())
+    deferred = s["by_reason"]["budget:time"]
+    pub, pub_rej = tmp_path / "pub.jsonl", tmp_path / "pub.rejected.jsonl"
+    out.rename(pub), rej.rename(pub_rej)
+    published = (pub.read_bytes(), pub_rej.read_bytes())
+    src = Published(pub, pub_rej, spent_s=4.0)
+
+    def fresh_out():
+        out.unlink(missing_ok=True), rej.unlink(missing_ok=True)
+
+    asked = answer_clock[0]
+    same = regenerate_file(tiny_target_dir, inp, out, budget, rejected_path=rej, scanner=NoScan(),
+                           continue_from=src)  # the same budget, already spent: nothing new
+    assert same["continued_published"] == f"{s['written']} records" and answer_clock[0] == asked
+    assert (out.read_bytes(), rej.read_bytes()) == published
+
+    fresh_out()
+    more = regenerate_file(tiny_target_dir, inp, out, cfg, rejected_path=rej, scanner=NoScan(),
+                           continue_from=src)  # lifted: only the deferred conversations are asked
+    asked = answer_clock[0] - asked
+    assert more["deferred_retried"] == deferred and more["written"] == full["written"] == 12
+    assert deferred <= asked < turns_full
+    assert out.read_bytes().startswith(published[0])  # the published records first, unchanged
+    got = {r["id"]: r for r in read_jsonl(out)}
+    complete = {i for i, r in got.items() if not r["generation"]["dropped_turns"]}
+    assert len(complete) >= 12 - s["written"] and {i: got[i] for i in complete} == {i: want[i] for i in complete}
+    assert (pub.read_bytes(), pub_rej.read_bytes()) == published
+
+    fresh_out()
+    other = regenerate_file(tiny_target_dir, inp, out, replace(cfg, max_new_tokens=6), rejected_path=rej,
+                            scanner=NoScan(), continue_from=src)
+    assert other["continued_published"].startswith("no: it was made with max_new_tokens 8 -> 6") and other["resumed"] == 0 and other["written"] == 12
+
+    fresh_out()
+    edited = [dict(p, messages=[{"role": "user", "content": "Edited: " + p["messages"][-1]["content"]}])
+              for p in prompts]
+    inp2 = write_prompts(tmp_path / "in2.jsonl", edited)
+    moved = regenerate_file(tiny_target_dir, inp2, out, cfg, rejected_path=rej, scanner=NoScan(),
+                            continue_from=src)
+    assert moved["continued_published"] == (f"no: {s['written']} of its records were made from prompts the "
+                                            "input no longer holds") and moved["resumed"] == 0
+    assert all(r["messages"][0]["content"].startswith("Edited: ") for r in read_jsonl(out))
+
+
 def test_an_endpoint_run_stops_starting_conversations_when_its_budget_is_spent(tiny_target_dir, tmp_path,
-                                                                             fake_server, monkeypatch):
-    spend_per_answer(monkeypatch)
+                                                                             fake_server, answer_clock):
     fake_server.fail_left = 0
     inp = write_prompts(tmp_path / "in.jsonl", mixed_prompts(8))
     cfg = replace(FAST_RETRY, concurrency=1, time_budget_s=3)

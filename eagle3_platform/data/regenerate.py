@@ -19,13 +19,16 @@ uninterrupted one (sampling draws from one RNG per record and turn, seeded from 
 Time budget (RegenConfig.time_budget_s, counted across resumes): once spent, no conversation or turn
 starts and the answers being decoded end there (finish_reason "time"); conversations not begun are
 rejected as `budget:time`, which a later run with budget left takes up again, and begun ones keep their
-answered turns (`dropped_turns`, as when max_length ends them).
+answered turns (`dropped_turns`, as when max_length ends them). A published output (moved away from
+`out`) is continued only when asked (`continue_from`): copied back under the same resume key, with the
+time it spent.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import shutil
 import sys
 import threading
 import time
@@ -38,9 +41,9 @@ from typing import Callable
 from eagle3_platform.data.chat import BoundaryError, encode, eos_token_ids, render, render_prompt, template_hash
 from eagle3_platform.data.endpoint import ChatClient, EndpointRequestError, served_model
 from eagle3_platform.records import (BadRecord, ConversationRecord, JsonlAppender, PromptRecord, Rejection,
-                                     ignored_summary, line_rejection, parse_line, prompt_from_row, read_jsonl,
-                                     read_lines, top_reasons, unknown_keys, usable_id, write_json_atomic,
-                                     write_jsonl_atomic)
+                                     atomic_write, ignored_summary, line_rejection, parse_line, prompt_from_row,
+                                     read_jsonl, read_lines, top_reasons, unknown_keys, usable_id,
+                                     write_json_atomic, write_jsonl_atomic)
 
 STAGE = "target_responses"
 DEFERRED = "budget:time"  # a conversation the time budget left unstarted: retried by a run with budget left
@@ -322,13 +325,26 @@ def retry_deferred(rejected_path: Path) -> int:
     return len(rows) - len(keep)
 
 
+@dataclass(frozen=True)
+class Published:
+    """An output published (moved away) by an earlier run, which this one may continue: its records, its
+    rejections and the time budget it spent."""
+
+    out: Path
+    rejected: Path | None = None  # None: it rejected nothing
+    spent_s: float = 0.0
+
+
 def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "demo", endpoint: str | None = None,
-                    rejected_path=None, scanner=None, api_key: str | None = None, restart: bool = False) -> dict:
+                    rejected_path=None, scanner=None, api_key: str | None = None, restart: bool = False,
+                    continue_from: Published | None = None) -> dict:
     """Regenerate every kept prompt record in `in_path` into ConversationRecords in `out_path`.
 
     scanner: None = the default PiiScanner, False = do not scan responses, or any object with
     `.scan(text)` returning findings with `.entity_type` (and `.is_secret` for secrets).
     restart: discard what `out_path`/`rejected_path` hold instead of resuming from it.
+    continue_from: where out_path and rejected_path do not exist yet, start from this published output
+    (copied, never changed) if it was made under this run's resume key; else start fresh.
     Returns the summary: read, written, rejected, by_reason, resumed, new_tokens, tok_per_s, ...
     Nothing written (every record rejected, or an empty input) is a failed stage: ValueError.
     """
@@ -354,9 +370,13 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
         gen["int4_rows"] = int4_rows  # only where used: older outputs keep their key
     if endpoint:
         gen["endpoint"] = _public_url(endpoint)
-    check_resume_key(out_path, rejected_path, resume_key(meta, tok, gen), restart)
+    key = resume_key(meta, tok, gen)
+    check_resume_key(out_path, rejected_path, key, restart)
+    continued = "no: resumed its own output" if continue_from is not None else None
     if not (out_path.exists() or rejected_path.exists()):  # restarted, or the output moved on (published)
         budget_path(out_path).unlink(missing_ok=True)
+        if continue_from is not None:
+            continued = take_published(continue_from, out_path, rejected_path, key, prompts.convos)
     clock = TimeBudget(cfg.time_budget_s, budget_path(out_path))
     retried = 0 if clock.over() else retry_deferred(rejected_path)
     t0 = time.perf_counter()
@@ -396,6 +416,8 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
         summary.update(time_budget_s=cfg.time_budget_s, time_spent_s=round(clock.spent(), 1))
     if cfg.time_budget_s is not None or retried:
         summary["deferred_retried"] = retried
+    if continued is not None:
+        summary["continued_published"] = continued
     if not summary["written"]:
         raise ValueError(f"0 of {summary['read']} records written to {out_path}"
                          + (f" ({top_reasons(summary['by_reason'])}; see {rejected_path})" if summary["read"]
@@ -417,17 +439,52 @@ def resume_key(meta: dict, tok, gen: dict) -> dict:
             **{k: v for k, v in gen.items() if k != "endpoint"}}  # a restarted server may move
 
 
+def resume_key_diff(out_path: Path, key: dict) -> list[str] | None:
+    """What differs between `key` and the resume key of out_path's first record ("name old -> new"), or
+    None when there is no record to compare with."""
+    first = next(read_jsonl(out_path, tolerate_torn_tail=True), None) if out_path.exists() else None
+    if first is None:
+        return None
+    old = {"target_id": first.get("target_id"), "template_hash": first.get("template_hash"),
+           **(first.get("generation") or {})}
+    return [f"{k} {old.get(k)!r} -> {v!r}" for k, v in key.items() if old.get(k) != v]
+
+
+def take_published(src: Published, out_path: Path, rejected_path: Path, key: dict,
+                   convos: list[Convo]) -> str:
+    """Copies a published output to out_path / rejected_path (which do not exist) with the budget it spent,
+    when its records were made under `key` from the prompts `convos` hold now. -> what was taken
+    ("N records"), or "no: <why>" (a fresh start). Order: the budget, the records, the rejections. Killed between
+    them, the next run resumes what was copied (a missing rejections file only means those
+    conversations are asked again)."""
+    diff, why = resume_key_diff(src.out, key), None
+    if diff is None:
+        why = "it holds no record to check its target and settings against"
+    elif diff:
+        why = "it was made with " + "; ".join(diff)
+    elif changed := changed_prompts(src.out, convos):
+        why = f"{changed} of its records were made from prompts the input no longer holds"
+    if why:
+        print(f"[regenerate] not continuing {src.out}: {why}; starting afresh", file=sys.stderr)
+        return f"no: {why}"
+    write_json_atomic(budget_path(out_path), {"spent_s": round(src.spent_s, 3)})
+    atomic_write(out_path, lambda tmp: shutil.copyfile(src.out, tmp))
+    if src.rejected is not None and src.rejected.exists():
+        atomic_write(rejected_path, lambda tmp: shutil.copyfile(src.rejected, tmp))
+    n = sum(1 for _ in read_jsonl(out_path))
+    print(f"[regenerate] continuing {src.out}: {n} records, {src.spent_s:.0f} s of time budget spent",
+          file=sys.stderr)
+    return f"{n} records"
+
+
 def check_resume_key(out_path: Path, rejected_path: Path, key: dict, restart: bool) -> None:
     """Resume only output written with the same target and settings; refuse any other with one line naming
     what differs (it would mix two targets' answers under this run's summary). restart: start fresh."""
     if restart:
         out_path.unlink(missing_ok=True)
         rejected_path.unlink(missing_ok=True)
-    first = next(read_jsonl(out_path, tolerate_torn_tail=True), None) if out_path.exists() else None
-    if first is not None:
-        old = {"target_id": first.get("target_id"), "template_hash": first.get("template_hash"),
-               **(first.get("generation") or {})}
-        diff = [f"{k} {old.get(k)!r} -> {v!r}" for k, v in key.items() if old.get(k) != v]
+    diff = resume_key_diff(out_path, key)
+    if diff is not None:
         if diff:
             raise ValueError(f"{out_path} was written with another target or settings ({'; '.join(diff)}); "
                              "use a fresh --out, or --restart to discard it")

@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from eagle3_platform.cli_args import distinct_paths, output_file
 from eagle3_platform.stage import ComputeRequest, PresetRequest, optional_count
@@ -43,6 +43,15 @@ class FilterRequest(PresetRequest):
         return self
 
 
+class PublishedResponses(BaseModel):
+    """A published regeneration output to continue from (data/regenerate.py: Published)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    out: str
+    rejected: str | None = None  # None: it rejected nothing
+    spent_s: float = Field(default=0.0, ge=0)  # of its time budget
+
+
 class RegenerateRequest(ComputeRequest):
     stage = "regenerate"
     target: str
@@ -61,6 +70,7 @@ class RegenerateRequest(ComputeRequest):
     api_key: str | None = Field(default=None, repr=False)
     scan_responses: bool = True
     restart: bool = False  # discard what out/rejected hold instead of resuming
+    continue_from: PublishedResponses | None = None  # where out and rejected do not exist yet
 
 
 def need_file(path: str) -> None:
@@ -134,7 +144,13 @@ def run_regenerate(req: RegenerateRequest) -> dict:
                     "--rejected": req.rejected or default_rejected_path(req.out)})
     return regenerate_file(req.target, req.in_path, req.out, regen_config(req), endpoint=req.endpoint,
                            rejected_path=req.rejected, scanner=None if req.scan_responses else False,
-                           api_key=req.api_key, restart=req.restart)
+                           api_key=req.api_key, restart=req.restart, continue_from=published(req.continue_from))
+
+
+def published(src: PublishedResponses | None):
+    from eagle3_platform.data.regenerate import Published
+
+    return None if src is None else Published(Path(src.out), src.rejected and Path(src.rejected), src.spent_s)
 
 
 RUNNERS = {SourcesRequest: run_sources, FilterRequest: run_filter, RegenerateRequest: run_regenerate}
