@@ -3,8 +3,8 @@ records carry input_ids + loss_mask (response tokens only), template hash and ta
 
 A new regeneration time budget makes the responses stale, yet what an earlier budget answered stays
 right: when the only change since the partition's last materialization is the budget (same code, other
-settings and prompts: `continue_version`), the step continues the published output, answering what
-the smaller budget deferred, instead of regenerating it all. Any other change, or a run tagged
+settings and prompts: `continue_version`), the step continues the published output, asking what
+the smaller budget deferred or cut short, instead of regenerating it all. Any other change, or a run tagged
 `eagle3/rebuild` (`eagle3 run --force`), starts afresh.
 """
 

@@ -205,6 +205,33 @@ def read_jsonl(path: str | Path, tolerate_torn_tail: bool = False) -> Iterator[d
             raise ValueError(f"{path}:{i + 1}: broken JSON line") from None
 
 
+def drop_jsonl_rows(path: str | Path, drop: Callable[[dict], bool]) -> int:
+    """Removes the rows `drop` picks from an appended JSONL file, atomically: the other lines stay byte
+    for byte, and a torn last line (a killed writer's) goes with them, as the appender would cut it.
+    -> rows removed (a torn line is not one; alone, it leaves the file as it is)."""
+    lines = [line for line in Path(path).read_bytes().split(b"\n") if line.strip()]
+    keep, removed = [], 0
+    for i, line in enumerate(lines):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                continue
+            raise ValueError(f"{path}: broken JSON line {i + 1}") from None
+        if drop(row):
+            removed += 1
+        else:
+            keep.append(line + b"\n")
+    if removed:
+        def write(tmp: Path) -> None:
+            with open(tmp, "wb") as f:
+                f.write(b"".join(keep))
+                f.flush()
+                os.fsync(f.fileno())
+        atomic_write(path, write)
+    return removed
+
+
 def write_jsonl_atomic(path: str | Path, rows: Iterable[BaseModel | dict]) -> int:
     """Write all rows, fsync, rename (atomic_write): readers never see a half-written file. -> rows."""
     def write(tmp: Path) -> int:

@@ -27,8 +27,8 @@ def add_commands(sub) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads of every stage (0 = every core)")
     p.add_argument("--regen-budget-min", type=float, default=None,
                    help="regeneration wall minutes per partition (default: the preset's, cpu: 14; 0 = no "
-                        "limit); a new value continues the published responses: a larger one answers "
-                        "what the smaller one deferred")
+                        "limit); a new value continues the published responses: a larger one asks "
+                        "what the smaller one deferred or cut short")
     p.add_argument("--force", action="store_true", help="rebuild what is neither missing nor stale")
     p.set_defaults(func=run)
 

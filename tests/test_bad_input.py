@@ -324,3 +324,19 @@ def test_fuzz_malformed_lines_through_filter_and_regenerate(tiny_target_dir, tmp
     assert s["read"] == n_read and s["written"] + s["rejected"] == n_read and s["written"] > 0
     rows = list(read_jsonl(out)) + list(read_jsonl(tmp_path / "conv.rejected.jsonl"))
     assert len(rows) == n_read and len({r["id"] for r in rows}) == n_read
+
+
+def test_dropping_rows_keeps_the_other_lines_as_written_and_cuts_a_torn_tail(tmp_path):
+    from eagle3_platform.records import drop_jsonl_rows
+
+    path = tmp_path / "out.jsonl"
+    lines = [b'{"id":"a","n":1}\n', b'{"id": "b", "n": 2}\n', b'{"id":"c","n":3}\n']
+    path.write_bytes(b"".join(lines) + b'{"id":"d","n"')  # a killed appender's torn last line
+    assert drop_jsonl_rows(path, lambda r: r["n"] == 5) == 0 and path.read_bytes().endswith(b'"n"')  # untouched
+    assert drop_jsonl_rows(path, lambda r: r["id"] == "b") == 1  # b; the torn tail goes too
+    assert path.read_bytes() == lines[0] + lines[2]
+    assert not list(tmp_path.glob("*.tmp"))
+    path.write_bytes(lines[0] + b"{broken\n" + lines[2])
+    with pytest.raises(ValueError, match="broken JSON line 2"):
+        drop_jsonl_rows(path, lambda r: True)
+    assert path.read_bytes() == lines[0] + b"{broken\n" + lines[2]  # nothing written

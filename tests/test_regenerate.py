@@ -702,6 +702,9 @@ def test_a_spent_time_budget_defers_what_has_not_begun_and_a_rerun_with_budget_l
             assert r["generation"]["new_tokens"][-1] < full["generation"]["new_tokens"][turn]
         else:
             assert r["messages"][-1] == full["messages"][n - 1]
+        assert r["generation"]["cut_by_time"] == (r != full)  # turns left unasked count too
+    cut_by_time = sum(r["generation"]["cut_by_time"] for r in rows)
+    assert cut_by_time >= max(cut, 1)  # here: multi-turn conversations stopped between turns
     assert json.loads((tmp_path / "out.jsonl.budget.json").read_text())["spent_s"] >= 4
 
     before = (out.read_bytes(), rej.read_bytes())
@@ -711,11 +714,9 @@ def test_a_spent_time_budget_defers_what_has_not_begun_and_a_rerun_with_budget_l
 
     more = regenerate_file(tiny_target_dir, inp, out, replace(cfg, time_budget_s=None), rejected_path=rej,
                            scanner=NoScan())  # lifted: the plan (random_order) stays the records' own
-    assert more["deferred_retried"] == deferred and more["by_reason"] == {}
+    assert (more["deferred_retried"], more["cut_retried"]) == (deferred, cut_by_time) and more["by_reason"] == {}
     assert more["read"] == more["written"] == 12
-    got = {r["id"]: r for r in read_jsonl(out)}
-    full = {i for i, r in got.items() if not r["generation"]["dropped_turns"]}
-    assert len(got) == 12 and {i: got[i] for i in full} == {i: want[i] for i in full}
+    assert {r["id"]: r for r in read_jsonl(out)} == want  # the cut ones asked again: as if never limited
 
     # published (moved away, as the Dagster step does): the next build of this output starts afresh,
     # it does not inherit a budget spent on records that are gone
@@ -762,11 +763,10 @@ def test_a_published_output_is_continued_only_under_this_runs_key_and_prompts(
                            continue_from=src)  # lifted: only the deferred conversations are asked
     asked = answer_clock[0] - asked
     assert more["deferred_retried"] == deferred and more["written"] == full["written"] == 12
-    assert deferred <= asked < turns_full
-    assert out.read_bytes().startswith(published[0])  # the published records first, unchanged
-    got = {r["id"]: r for r in read_jsonl(out)}
-    complete = {i for i, r in got.items() if not r["generation"]["dropped_turns"]}
-    assert len(complete) >= 12 - s["written"] and {i: got[i] for i in complete} == {i: want[i] for i in complete}
+    assert more["cut_retried"] >= 1 and deferred <= asked < turns_full
+    uncut = [line for line in published[0].splitlines(keepends=True) if b'"cut_by_time":false' in line]
+    assert uncut and out.read_bytes().startswith(b"".join(uncut))  # the published records that were whole, unchanged
+    assert {r["id"]: r for r in read_jsonl(out)} == want
     assert (pub.read_bytes(), pub_rej.read_bytes()) == published
 
     fresh_out()

@@ -18,10 +18,11 @@ a partially written window is recomputed whole, so a resumed run produces the ve
 uninterrupted one (sampling draws from one RNG per record and turn, seeded from the record id).
 Time budget (RegenConfig.time_budget_s, counted across resumes): once spent, no conversation or turn
 starts and the answers being decoded end there (finish_reason "time"); conversations not begun are
-rejected as `budget:time`, which a later run with budget left takes up again, and begun ones keep their
-answered turns (`dropped_turns`, as when max_length ends them). A published output (moved away from
-`out`) is continued only when asked (`continue_from`): copied back under the same resume key, with the
-time it spent.
+rejected as `budget:time`, and begun ones keep their answered turns (`dropped_turns`, as when max_length
+ends them; `cut_by_time` in the record's generation). A later run with budget left asks both again:
+the deferred ones, and the cut ones from their start (their window is redone whole anyway). A
+published output (moved away from `out`) is continued only when asked (`continue_from`): copied back
+under the same resume key, with the time it spent.
 """
 from __future__ import annotations
 
@@ -41,9 +42,9 @@ from typing import Callable
 from eagle3_platform.data.chat import BoundaryError, encode, eos_token_ids, render, render_prompt, template_hash
 from eagle3_platform.data.endpoint import ChatClient, EndpointRequestError, served_model
 from eagle3_platform.records import (BadRecord, ConversationRecord, JsonlAppender, PromptRecord, Rejection,
-                                     atomic_write, ignored_summary, line_rejection, parse_line, prompt_from_row,
-                                     read_jsonl, read_lines, top_reasons, unknown_keys, usable_id,
-                                     write_json_atomic, write_jsonl_atomic)
+                                     atomic_write, drop_jsonl_rows, ignored_summary, line_rejection, parse_line,
+                                     prompt_from_row, read_jsonl, read_lines, top_reasons, unknown_keys,
+                                     usable_id, write_json_atomic)
 
 STAGE = "target_responses"
 DEFERRED = "budget:time"  # a conversation the time budget left unstarted: retried by a run with budget left
@@ -134,6 +135,7 @@ class Convo:
     finish: list[str] = field(default_factory=list)
     new_tokens: list[int] = field(default_factory=list)
     dropped_turns: int = 0  # user turns left unanswered: the max_length budget ran out
+    cut_by_time: bool = False  # an answer cut or a turn left unasked because the time budget was spent
     reject: str | None = None
 
 
@@ -181,6 +183,7 @@ class Turns:
 
     def answer(self, c: Convo, msgs: list[dict], content: str, finish: str, n_tokens: int) -> None:
         c.history = msgs + [{"role": "assistant", "content": content}]
+        c.cut_by_time |= finish == "time"
         c.finish.append(finish)
         c.new_tokens.append(n_tokens)
         if self.on_answer is not None:
@@ -233,7 +236,7 @@ def finalize(c: Convo, tok, scanner, meta: dict, gen: dict) -> ConversationRecor
     if reason is not None:
         return Rejection(id=c.rec.id, workload=c.rec.workload, source=c.rec.source, stage=STAGE, reason=reason)
     generation = {**gen, "finish_reasons": c.finish, "finish_reason": c.finish[-1],
-                  "new_tokens": c.new_tokens, "dropped_turns": c.dropped_turns,
+                  "new_tokens": c.new_tokens, "dropped_turns": c.dropped_turns, "cut_by_time": c.cut_by_time,
                   "prompt_sha256": prompt_sha256(c.rec)}
     return ConversationRecord(**c.rec.model_dump(exclude={"messages"}), messages=c.history,
                               input_ids=ids, loss_mask=mask, template_hash=template_hash(tok),
@@ -314,15 +317,21 @@ def budget_path(out_path: Path) -> Path:
 
 
 def retry_deferred(rejected_path: Path) -> int:
-    """Drops the `budget:time` rejections from rejected_path (atomically), so this run takes those
-    conversations up again; returns how many."""
-    if not rejected_path.exists():
-        return 0
-    rows = list(read_jsonl(rejected_path, tolerate_torn_tail=True))
-    keep = [r for r in rows if r.get("reason") != DEFERRED]
-    if len(keep) < len(rows):
-        write_jsonl_atomic(rejected_path, keep)
-    return len(rows) - len(keep)
+    """Drops the `budget:time` rejections from rejected_path, so this run takes those conversations up
+    again; returns how many."""
+    return drop_jsonl_rows(rejected_path, lambda r: r.get("reason") == DEFERRED) if rejected_path.exists() else 0
+
+
+def cut_by_time(row: dict) -> bool:
+    """A record the time budget ended early (records from before `cut_by_time`: an answer cut short)."""
+    gen = row.get("generation") or {}
+    return bool(gen.get("cut_by_time", "time" in (gen.get("finish_reasons") or ())))
+
+
+def retry_cut(out_path: Path) -> int:
+    """Drops the records a time budget cut from out_path, so this run asks those conversations again
+    from their start; returns how many."""
+    return drop_jsonl_rows(out_path, cut_by_time) if out_path.exists() else 0
 
 
 @dataclass(frozen=True)
@@ -378,7 +387,9 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
         if continue_from is not None:
             continued = take_published(continue_from, out_path, rejected_path, key, prompts.convos)
     clock = TimeBudget(cfg.time_budget_s, budget_path(out_path))
-    retried = 0 if clock.over() else retry_deferred(rejected_path)
+    retried = recut = 0
+    if not clock.over():  # budget left: ask again what an earlier, smaller budget deferred or cut
+        retried, recut = retry_deferred(rejected_path), retry_cut(out_path)
     t0 = time.perf_counter()
     with JsonlAppender(out_path) as out, JsonlAppender(rejected_path) as rej:
         done = out.done_ids() | rej.done_ids()
@@ -414,8 +425,8 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
                         tok)
     if cfg.time_budget_s is not None:
         summary.update(time_budget_s=cfg.time_budget_s, time_spent_s=round(clock.spent(), 1))
-    if cfg.time_budget_s is not None or retried:
-        summary["deferred_retried"] = retried
+    if cfg.time_budget_s is not None or retried or recut:
+        summary.update(deferred_retried=retried, cut_retried=recut)
     if continued is not None:
         summary["continued_published"] = continued
     if not summary["written"]:
@@ -670,7 +681,7 @@ def stop_for_time(c: Convo, k: int) -> None:
     if k == 0:
         c.reject = DEFERRED
     else:
-        c.dropped_turns = len(c.segments) - k
+        c.dropped_turns, c.cut_by_time = len(c.segments) - k, True
 
 
 def decode_conversations(model, convos: list[Convo], turns: Turns, cfg: RegenConfig, budget: int,
