@@ -9,6 +9,7 @@ the smaller budget deferred or cut short, instead of regenerating it all. Any ot
 """
 
 import hashlib
+import shutil
 
 from dagster import AssetExecutionContext, AssetRecordsFilter, MaterializeResult, MetadataValue, asset
 
@@ -46,6 +47,7 @@ def _regen_split(context, w: str, split: str, storage, target, preset, compute, 
     summary["continue_version"] = version
     summary["uri"] = storage.publish_from(out, Keys.conversations(w, split))
     summary["rejected_uri"] = storage.publish_from(rej, Keys.responses_rejected(w, split))
+    shutil.rmtree(stage, ignore_errors=True)  # the run's sidecars (time spent, resume key) go with it
     return summary
 
 

@@ -468,6 +468,40 @@ def test_resume_from_partial_batch_and_torn_line(tiny_target_dir, tmp_path):
     assert out.read_bytes() == ref.read_bytes()
 
 
+def test_a_run_killed_before_its_first_record_resumes_its_rejections_under_the_same_key(
+        tiny_target_dir, tmp_path, monkeypatch):
+    """Rejections made while generating (bad:too_long here) are written before any record. A rerun
+    checks them against the resume key the killed run left beside --out: the same settings resume,
+    others are refused by name, and with no key (an older output) the rerun still refuses."""
+    import eagle3_platform.data.regenerate as regen
+
+    prompts = [prompt_record(0, ["word " * 200]), *mixed_prompts(3)[1:]]
+    inp = write_prompts(tmp_path / "in.jsonl", prompts)
+    cfg = replace(TINY, max_length=128)
+    out, rej = tmp_path / "out.jsonl", tmp_path / "rej.jsonl"
+    ref = regenerate_file(tiny_target_dir, inp, tmp_path / "ref.jsonl", cfg, scanner=NoScan())
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(regen, "decode_conversations", killed)
+        with pytest.raises(KeyboardInterrupt):
+            regenerate_file(tiny_target_dir, inp, out, cfg, rejected_path=rej, scanner=NoScan())
+    assert [r["reason"] for r in read_jsonl(rej)] == ["bad:too_long"] and not list(read_jsonl(out))
+    with pytest.raises(ValueError, match=r"rej.jsonl was written with .*max_new_tokens 8 -> 6"):
+        regenerate_file(tiny_target_dir, inp, out, replace(cfg, max_new_tokens=6), rejected_path=rej,
+                        scanner=NoScan())
+    s = regenerate_file(tiny_target_dir, inp, out, cfg, rejected_path=rej, scanner=NoScan())
+    assert (s["resumed"], s["written"], s["rejected"]) == (1, ref["written"], ref["rejected"]) == (1, 2, 1)
+    assert out.read_bytes() == (tmp_path / "ref.jsonl").read_bytes()
+
+    out.write_bytes(b"")
+    (tmp_path / "out.jsonl.key.json").unlink()  # an output from before the key was kept
+    with pytest.raises(ValueError, match="cannot be checked"):
+        regenerate_file(tiny_target_dir, inp, out, cfg, rejected_path=rej, scanner=NoScan())
+
+
 # ------------------------------------------------------------------------------------------- CLI
 
 def test_cli_regenerate_and_user_errors(tiny_target_dir, tmp_path, capsys):

@@ -11,7 +11,8 @@ Either way `input_ids`/`loss_mask` come from `chat.render` with the target's own
 Accounting: every input record ends as exactly one ConversationRecord (out) or Rejection (rejected);
 `read == written + rejected`. Resume: both files are fsynced JSONL appends; a rerun skips ids already in
 either, but only when the records there were made by this run's target (id, weights, template) with its
-generation settings, else it refuses (`--restart` discards the old output). Input lines that cannot be
+generation settings (before the first record, the key the run left beside them, `.key.json`), else it
+refuses (`--restart` discards the old output). Input lines that cannot be
 records (broken JSON, bad encoding, schema, a repeated id) are rejected while reading, under ids unique
 per line. Local windows (window_batches x batch_size records) are planned over ALL records (done or not) and
 a partially written window is recomputed whole, so a resumed run produces the very same tokens as an
@@ -316,6 +317,12 @@ def budget_path(out_path: Path) -> Path:
     return out_path.with_name(out_path.name + ".budget.json")
 
 
+def key_path(out_path: Path) -> Path:
+    """The resume key of the run writing out_path, beside it: what rejections made while generating are
+    checked against when no record has been written yet."""
+    return out_path.with_name(out_path.name + ".key.json")
+
+
 def retry_deferred(rejected_path: Path) -> int:
     """Drops the `budget:time` rejections from rejected_path, so this run takes those conversations up
     again; returns how many."""
@@ -381,6 +388,7 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
         gen["endpoint"] = _public_url(endpoint)
     key = resume_key(meta, tok, gen)
     check_resume_key(out_path, rejected_path, key, restart)
+    write_json_atomic(key_path(out_path), key, sort_keys=True)
     continued = "no: resumed its own output" if continue_from is not None else None
     if not (out_path.exists() or rejected_path.exists()):  # restarted, or the output moved on (published)
         budget_path(out_path).unlink(missing_ok=True)
@@ -456,8 +464,11 @@ def resume_key_diff(out_path: Path, key: dict) -> list[str] | None:
     first = next(read_jsonl(out_path, tolerate_torn_tail=True), None) if out_path.exists() else None
     if first is None:
         return None
-    old = {"target_id": first.get("target_id"), "template_hash": first.get("template_hash"),
-           **(first.get("generation") or {})}
+    return key_diff({"target_id": first.get("target_id"), "template_hash": first.get("template_hash"),
+                     **(first.get("generation") or {})}, key)
+
+
+def key_diff(old: dict, key: dict) -> list[str]:
     return [f"{k} {old.get(k)!r} -> {v!r}" for k, v in key.items() if old.get(k) != v]
 
 
@@ -495,16 +506,32 @@ def check_resume_key(out_path: Path, rejected_path: Path, key: dict, restart: bo
         out_path.unlink(missing_ok=True)
         rejected_path.unlink(missing_ok=True)
     diff = resume_key_diff(out_path, key)
-    if diff is not None:
-        if diff:
-            raise ValueError(f"{out_path} was written with another target or settings ({'; '.join(diff)}); "
-                             "use a fresh --out, or --restart to discard it")
-    elif rejected_path.exists() and any(r.get("line") is None and r.get("reason") != DEFERRED
-                                            for r in read_jsonl(rejected_path, tolerate_torn_tail=True)):
-        # rejections made while generating (too long, PII in an answer) depend on target and settings,
-        # and with no record written there is nothing to check them against
+    if diff:
+        raise ValueError(f"{out_path} was written with another target or settings ({'; '.join(diff)}); "
+                         "use a fresh --out, or --restart to discard it")
+    if diff is not None or not rejected_path.exists() or not any(
+            r.get("line") is None and r.get("reason") != DEFERRED
+            for r in read_jsonl(rejected_path, tolerate_torn_tail=True)):
+        return
+    # no record yet, but rejections made while generating (too long, PII in an answer), which depend on
+    # target and settings: checked against the key the run that made them left beside out_path
+    old = read_key(key_path(out_path))
+    if old is None:
         raise ValueError(f"{rejected_path} holds rejections from an earlier run whose target and settings "
                          "cannot be checked; use a fresh --out, or --restart to discard them")
+    diff = key_diff(old, key)
+    if diff:
+        raise ValueError(f"{rejected_path} was written with another target or settings ({'; '.join(diff)}); "
+                         "use a fresh --out, or --restart to discard it")
+
+
+def read_key(path: Path) -> dict | None:
+    """A resume key written by key_path's run, or None (absent, or not one)."""
+    try:
+        key = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return key if isinstance(key, dict) else None
 
 
 def load_tokenizer(target_dir):
