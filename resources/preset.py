@@ -28,14 +28,13 @@ class PresetResource(ConfigurableResource):
     def config(self):
         """eagle3_platform.config.PlatformConfig of this preset (unknown names are refused there), with
         the time budget override applied."""
-        from dataclasses import replace
-
         from eagle3_platform.config import preset
+        from eagle3_platform.data.regenerate import resolve_config
 
         config = preset(self.name)
         if self.regen_time_budget_s is None:
             return config
-        return config.with_(regen=replace(config.regen, time_budget_s=self.regen_time_budget_s or None))
+        return config.with_(regen=resolve_config(config.regen, time_budget_s=self.regen_time_budget_s))
 
     def area(self, area: str):
         return getattr(self.config(), area)

@@ -122,8 +122,10 @@ PRESETS: dict[str, RegenConfig] = {
 
 
 def resolve_config(cfg: RegenConfig | str, **overrides) -> RegenConfig:
+    """The preset (or config) with the overrides that are not None. time_budget_s: 0 lifts the limit."""
     base = PRESETS[cfg] if isinstance(cfg, str) else cfg
-    return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+    cfg = replace(base, **{k: v for k, v in overrides.items() if v is not None})
+    return replace(cfg, time_budget_s=None) if overrides.get("time_budget_s") == 0 else cfg
 
 
 @dataclass

@@ -5,7 +5,6 @@ request comes from an asset, a Pipes worker or `eagle3 sources | filter | regene
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
@@ -126,11 +125,10 @@ def regen_config(req: RegenerateRequest):
     from eagle3_platform.data.regenerate import resolve_config
 
     t = req.temperature
-    cfg = resolve_config(req.platform().regen, max_new_tokens=req.max_new_tokens, max_length=req.max_length,
-                         batch_size=req.batch_size, concurrency=req.concurrency, seed=req.seed,
-                         temperature=t, top_p=req.top_p, do_sample=None if t is None else t > 0,
-                         time_budget_s=req.time_budget_s, **req.compute_overrides())
-    return replace(cfg, time_budget_s=None) if req.time_budget_s == 0 else cfg
+    return resolve_config(req.platform().regen, max_new_tokens=req.max_new_tokens, max_length=req.max_length,
+                          batch_size=req.batch_size, concurrency=req.concurrency, seed=req.seed,
+                          temperature=t, top_p=req.top_p, do_sample=None if t is None else t > 0,
+                          time_budget_s=req.time_budget_s, **req.compute_overrides())
 
 
 def run_regenerate(req: RegenerateRequest) -> dict:
