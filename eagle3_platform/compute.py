@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from eagle3_platform.paths import cache_root
+from eagle3_platform.records import write_json_atomic
 
 DTYPES = ("auto", "bfloat16", "float32")
 WORK = ("decode", "dense")  # few rows per weight read (memory-bound) | many (compute-bound)
@@ -195,10 +196,7 @@ def _probed(name: str, measure):
     value = measure()
     known[key] = {**entry, name: value, "torch_threads": torch.get_num_threads()}
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(known, indent=2))
-        os.replace(tmp, path)
+        write_json_atomic(path, known, indent=2)
     except OSError:
         pass
     return value

@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 
 from eagle3_platform.paths import scratch_dir, work_dir
+from eagle3_platform.records import atomic_write
 
 
 class Storage(ABC):
@@ -89,20 +90,14 @@ class LocalStorage(Storage):
     def put_file(self, local: str | Path, key: str) -> str:
         dest = self.path(key)
         if Path(local).resolve() != dest:
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            tmp = dest.with_name(dest.name + ".tmp")
-            shutil.copyfile(local, tmp)
-            os.replace(tmp, dest)
+            atomic_write(dest, lambda tmp: shutil.copyfile(local, tmp))
         return self.uri(key)
 
     def get_file(self, key: str, local: str | Path) -> Path:
         local = Path(local)
         src = self.path(key)
         if src != local.resolve():
-            local.parent.mkdir(parents=True, exist_ok=True)
-            tmp = local.with_name(local.name + ".tmp")
-            shutil.copyfile(src, tmp)
-            os.replace(tmp, local)
+            atomic_write(local, lambda tmp: shutil.copyfile(src, tmp))
         return local
 
 
@@ -143,10 +138,7 @@ class GCSStorage(Storage):
 
     def get_file(self, key: str, local: str | Path) -> Path:
         local = Path(local)
-        local.parent.mkdir(parents=True, exist_ok=True)
-        tmp = local.with_name(local.name + ".tmp")
-        self.bucket.blob(self._name(key)).download_to_filename(str(tmp))
-        os.replace(tmp, local)
+        atomic_write(local, lambda tmp: self.bucket.blob(self._name(key)).download_to_filename(str(tmp)))
         return local
 
 

@@ -7,13 +7,14 @@ Draft ids are assigned in ascending target-id order, so d2t is non-decreasing an
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+
+from eagle3_platform.records import atomic_write, write_json_atomic
 
 
 def count_response_tokens(feature_dirs: Sequence[str | Path], vocab_size: int,
@@ -88,14 +89,10 @@ def check_vocab(d2t: torch.Tensor, t2d: torch.Tensor) -> None:
 def save_vocab(path: str | Path, d2t, t2d, stats: dict) -> dict:
     """Atomic: <path> (safetensors d2t, t2d) + <path>.json (stats)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, str(tmp),
-              metadata={"stats": json.dumps(stats)})
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: save_file({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, str(tmp),
+                                             metadata={"stats": json.dumps(stats)}))
     stats_path = path.with_name(path.name + ".json")
-    stats_path.with_name(stats_path.name + ".tmp").write_text(json.dumps(stats, indent=2))
-    os.replace(stats_path.with_name(stats_path.name + ".tmp"), stats_path)
+    write_json_atomic(stats_path, stats, indent=2)
     return {"vocab": str(path), "stats": str(stats_path), **stats}
 
 

@@ -23,7 +23,7 @@ import polars as pl
 import torch
 from safetensors import safe_open
 
-from eagle3_platform.records import sha256_file
+from eagle3_platform.records import atomic_write, sha256_file
 
 FORMAT_VERSION = "2"  # 2: compute_dtype (the dtype the target ran in) joined the header
 MANIFEST = "manifest.parquet"
@@ -95,10 +95,7 @@ def write_shard(path: str | Path, samples: list[dict], metadata: dict) -> dict:
     tensors = pack_samples(samples, getattr(torch, header["dtype"]), n_layers)
     ids = [str(s.get("id", "")) for s in samples]
     header[IDS_KEY] = json.dumps(ids)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    _save_deterministic(tensors, tmp, header)
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: _save_deterministic(tensors, tmp, header))
     return {"shard": path.name, "samples": len(samples), "tokens": int(tensors["offsets"][-1]),
             "sha256": sha256_file(path), "bytes": path.stat().st_size, "ids": ids}
 
@@ -144,11 +141,13 @@ def write_manifest(directory: str | Path, rows: list[dict]) -> Path:
     # uri: where the shard was published (storage URI), else its key relative to this manifest
     df = pl.DataFrame([{k: r.get(k, r["shard"] if k == "uri" else None) for k in schema} for r in rows],
                       schema=schema)
-    tmp = path.with_name(path.name + ".tmp")
-    df.write_parquet(tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+
+    def write(tmp: Path) -> None:
+        df.write_parquet(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+
+    atomic_write(path, write)
     return path
 
 

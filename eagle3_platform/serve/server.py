@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from eagle3_platform.draft.metrics import acceptance_length
+from eagle3_platform.records import write_json_atomic
 from eagle3_platform.serve import protocol as P
 from eagle3_platform.serve.config import PRESETS, ServeConfig  # noqa: F401  (PRESETS: preset lookup)
 from eagle3_platform.serve.text import TextStream
@@ -464,9 +465,7 @@ def run_server(app: Starlette, cfg: ServeConfig, ready_file: str | Path | None =
     host, port = sock.getsockname()[:2]
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
     if ready_file:
-        tmp = Path(str(ready_file) + ".tmp")
-        tmp.write_text(json.dumps({"url": url, "port": port, "pid": os.getpid()}))
-        os.replace(tmp, ready_file)
+        write_json_atomic(ready_file, {"url": url, "port": port, "pid": os.getpid()})
     config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
                             timeout_graceful_shutdown=cfg.shutdown_grace_s)
     server = _Server.make(config)
