@@ -3,9 +3,10 @@ records carry input_ids + loss_mask (response tokens only), template hash and ta
 
 A new regeneration time budget makes the responses stale, yet what an earlier budget answered stays
 right: when the only change since the partition's last materialization is the budget (same code, other
-settings and prompts: `continue_version`), the step continues the published output, asking what
-the smaller budget deferred or cut short, instead of regenerating it all. Any other change, or a run tagged
-`eagle3/rebuild` (`eagle3 run --force`), starts afresh.
+settings and prompts: `continue_version`), the step continues the published output instead of
+regenerating it all. A larger budget asks what the smaller one deferred or cut short; a smaller one
+keeps what is there. Any other change, or a run tagged `eagle3/rebuild` (`eagle3 run --force`),
+starts afresh.
 """
 
 import hashlib

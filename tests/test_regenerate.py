@@ -806,7 +806,8 @@ def test_a_published_output_is_continued_only_under_this_runs_key_and_prompts(
     fresh_out()
     other = regenerate_file(tiny_target_dir, inp, out, replace(cfg, max_new_tokens=6), rejected_path=rej,
                             scanner=NoScan(), continue_from=src)
-    assert other["continued_published"].startswith("no: it was made with max_new_tokens 8 -> 6") and other["resumed"] == 0 and other["written"] == 12
+    assert other["continued_published"].startswith("no: it was made with max_new_tokens 8 -> 6")
+    assert other["resumed"] == 0 and other["written"] == 12
 
     fresh_out()
     edited = [dict(p, messages=[{"role": "user", "content": "Edited: " + p["messages"][-1]["content"]}])
