@@ -24,3 +24,42 @@ def test_failures_always_carry_ok_false_and_an_error():
     assert rc == 3 and s == {"ok": False, "error": "exited 3"}
     rc, s = run_with_summary(_py("print('no summary')"))
     assert rc == 0 and s == {"ok": False, "error": "exited 0 without a JSON summary"}
+
+
+def test_stopping_the_caller_stops_the_command_it_runs(tmp_path):
+    """SIGTERM to a process inside run_with_summary (`eagle3 run`) reaches the command (the pipeline),
+    which ends; the caller goes on to report it. Before, the command ran on, orphaned."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    pid_file = tmp_path / "command.pid"
+    command = (f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); "
+               "print('started', flush=True); time.sleep(120)")
+    caller = ("import sys; from eagle3_platform.summary import run_with_summary; "
+              f"rc, s = run_with_summary([sys.executable, '-c', {command!r}]); print(rc, s['ok']); sys.exit(1)")
+    proc = subprocess.Popen(_py(caller), stdout=subprocess.PIPE, text=True)
+    pid = None
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pid = int(pid_file.read_text())
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 1 and out.split() == [str(-signal.SIGTERM), "False"]
+        try:
+            os.kill(pid, 0)  # reaped by the caller's wait: gone
+            alive = True
+        except ProcessLookupError:
+            alive = False
+        assert not alive
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)  # only if the test failed: the command it started
+            except ProcessLookupError:
+                pass
