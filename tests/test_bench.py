@@ -207,6 +207,30 @@ def test_sweep_cells_carry_server_histograms(tmp_path, prompts_file, monkeypatch
     assert "mean_draft_size" not in cells["chat"]   # server-wide counters: the 'all' cell only
 
 
+def test_the_endpoint_that_goes_first_alternates_by_level(tmp_path, prompts_file, monkeypatch):
+    """A box that slows through the sweep would favour whoever goes first at every level; the report's
+    table still reads baseline, then EAGLE-3, per level."""
+    from eagle3_platform.bench import run
+    from eagle3_platform.bench.report import rows
+
+    order = []
+    rec = {"ok": True, "start": 0.0, "latency_s": 1.0, "ttft_s": 0.1, "output_tokens": 5,
+           "tpot_s": 0.2, "prompt_idx": 0}
+
+    def locust(url, label, c, *args, **kwargs):
+        order.append((label, c))
+        return [dict(rec)]
+
+    monkeypatch.setattr(run, "server_info", lambda url, key: None)
+    monkeypatch.setattr(run, "run_locust", locust)
+    res = run.run_benchmark("http://e", prompts_file, concurrency=[1, 2, 4], duration_s=1, out_dir=tmp_path,
+                            baseline_url="http://b", warmup=False, write_report=False)
+    assert order == [("baseline", 1), ("eagle3", 1), ("eagle3", 2), ("baseline", 2), ("baseline", 4),
+                     ("eagle3", 4)]
+    assert [(r["endpoint"], r["concurrency"]) for r in rows(res)] == [
+        ("baseline", 1), ("eagle3", 1), ("baseline", 2), ("eagle3", 2), ("baseline", 4), ("eagle3", 4)]
+
+
 def _check_results(res, out, endpoints):
     assert {r["endpoint"] for r in res["runs"]} == set(endpoints)
     assert sorted({r["concurrency"] for r in res["runs"]}) == [1, 2]

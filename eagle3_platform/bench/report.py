@@ -31,8 +31,8 @@ HEADERS = ["endpoint", "concurrency", "workload", "requests", "failures", "media
 
 
 def rows(results: dict, workload: str | None = ALL) -> list[dict]:
-    out = []
-    for run in results["runs"]:
+    out = []  # by level, the baseline first (the runs alternate which endpoint went first)
+    for run in sorted(results["runs"], key=lambda r: (r["concurrency"], r["endpoint"] != "baseline")):
         for w, cell in run["cells"].items():
             if workload is None or w == workload:
                 out.append({"endpoint": run["endpoint"], "concurrency": run["concurrency"],

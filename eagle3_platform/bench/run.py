@@ -3,8 +3,9 @@
 Locust is never imported here (gevent monkey-patches sockets on import); it runs as
 `python -m locust -f locustfile.py --headless ...` in its own process. Around each run the endpoint's
 /server_info is snapshotted so τ can be taken from the counters' delta. Endpoints are interleaved
-per concurrency level (baseline c=1, eagle3 c=1, baseline c=2, …) so slow drift of a shared,
-noisy machine hits both alike.
+per concurrency level (baseline c=1, eagle3 c=1, eagle3 c=2, baseline c=2, …) so slow drift of a
+shared, noisy machine hits both alike: who goes first alternates, so a box that slows (or speeds up)
+through the sweep favours neither endpoint at every level.
 """
 from __future__ import annotations
 
@@ -164,8 +165,8 @@ def run_benchmark(url: str, prompts_path: str | Path, concurrency=(1, 2, 4, 8),
             warm_up(u, api_key, prompt_messages(rows[0]))
     servers = {label: server_info(u, api_key) for label, u in endpoints}
     runs = []
-    for c in cfg.concurrency:
-        for label, u in endpoints:
+    for level, c in enumerate(cfg.concurrency):
+        for label, u in endpoints if level % 2 == 0 else endpoints[::-1]:
             print(f"[bench] {label} c={c} for {cfg.duration_s}s …", file=sys.stderr, flush=True)
             before = server_info(u, api_key)
             t0 = time.time()
