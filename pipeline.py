@@ -228,6 +228,9 @@ def _failure(result) -> str:
             err = ev.step_failure_data.error
             while err is not None and err.cause is not None:  # the library's own exception, not the wrapper
                 err = err.cause
+            if err is not None and err.cls_name == "DagsterExecutionInterruptedError":
+                return (f"{ev.step_key}: interrupted (a signal stopped it); rerun the same command to go on "
+                        "where it stopped")
             return f"{ev.step_key}: {err.message.strip() if err else 'failed'}"
         if ev.event_type_value == "ASSET_CHECK_EVALUATION" and not ev.event_specific_data.passed:
             d = ev.event_specific_data

@@ -109,3 +109,20 @@ def test_force_tags_its_runs_as_rebuilds_so_nothing_published_is_continued(insta
     with pytest.raises(Launched):  # missing, so launched either way
         pipeline._step(instance, defs, graph, name, keys, partition, force)
     assert tags.get(REBUILD_TAG) == ("true" if force else None)
+
+
+def test_a_step_stopped_by_a_signal_is_reported_as_interrupted_and_resumable():
+    from types import SimpleNamespace
+
+    from dagster._utils.error import SerializableErrorInfo
+
+    def failed(err):
+        return SimpleNamespace(all_events=[SimpleNamespace(
+            is_step_failure=True, step_key="target_responses", step_failure_data=SimpleNamespace(error=err))])
+
+    stopped = SerializableErrorInfo("", [], "DagsterExecutionInterruptedError")
+    assert pipeline._failure(failed(stopped)) == ("target_responses: interrupted (a signal stopped it); rerun "
+                                                  "the same command to go on where it stopped")
+    wrapped = SerializableErrorInfo("step failed", [], "DagsterExecutionStepExecutionError",
+                                    cause=SerializableErrorInfo("0 of 8 records written\n", [], "ValueError"))
+    assert pipeline._failure(failed(wrapped)) == "target_responses: 0 of 8 records written"
