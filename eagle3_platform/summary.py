@@ -7,7 +7,6 @@ import json
 import signal
 import subprocess
 import threading
-from contextlib import contextmanager
 from typing import Callable
 
 FORWARDED = (signal.SIGTERM, signal.SIGHUP)  # stopping the caller stops the command it runs
@@ -20,10 +19,10 @@ def run_with_summary(cmd: list[str], echo: Callable[[str], None] | None = None, 
     The summary is the last JSON object line. It always has "ok", false unless the command exited 0 and
     said ok, and then an "error": the command's own, else the first uncaught exception line, else
     that there was no summary."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1, **popen)
-    summary, crash = None, ""
-    try:
-        with _forwarding(proc):
+    summary, crash, proc = None, "", None
+    with _Forwarder() as forwarder:
+        try:
+            proc = forwarder.attach(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1, **popen))
             for line in proc.stdout:
                 if echo:
                     echo(line)
@@ -31,9 +30,10 @@ def run_with_summary(cmd: list[str], echo: Callable[[str], None] | None = None, 
                 if not crash and "Error:" in line and not line.startswith("{"):
                     crash = line.strip()  # a traceback's last line, when the command died without a summary
             rc = proc.wait()
-    except BaseException:  # Ctrl-C, or the caller's own interrupt: the command must not run on unowned
-        _stop(proc)
-        raise
+        except BaseException:  # Ctrl-C, or the caller's own interrupt: the command must not run on unowned
+            if proc is not None:
+                _stop(proc)
+            raise
     if summary is None:
         summary = {"ok": False, "error": crash or f"exited {rc} without a JSON summary"}
     if rc != 0 or not summary.get("ok"):
@@ -42,29 +42,40 @@ def run_with_summary(cmd: list[str], echo: Callable[[str], None] | None = None, 
     return rc, summary
 
 
-@contextmanager
-def _forwarding(proc: subprocess.Popen):
-    """SIGTERM/SIGHUP sent to this process go to the command too (without this, `kill` of `eagle3 run`
-    left the pipeline running on its own). A handler already installed (Dagster's interrupt handler in
-    a step) still runs after. Signals can only be handled in the main thread; elsewhere, nothing."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {}
+class _Forwarder:
+    """SIGTERM/SIGHUP sent to this process while the command runs go to the command too (without this,
+    `kill` of `eagle3 run` left the pipeline running on its own). Installed before the command starts,
+    so none falls in between. A signal this process ignores stays ignored, the command's too (SIGHUP
+    under nohup); a handler already installed (Dagster's, in a step) still runs after. Only the main
+    thread can handle signals: elsewhere this does nothing."""
 
-    def forward(signum, frame):
-        if proc.poll() is None:
-            proc.send_signal(signum)
-        if callable(previous.get(signum)):
-            previous[signum](signum, frame)
+    def __init__(self):
+        self.proc, self.pending, self.previous = None, [], {}
 
-    for sig in FORWARDED:
-        previous[sig] = signal.signal(sig, forward)
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
+    def __enter__(self) -> "_Forwarder":
+        if threading.current_thread() is threading.main_thread():
+            for sig in FORWARDED:
+                if signal.getsignal(sig) is not signal.SIG_IGN:
+                    self.previous[sig] = signal.signal(sig, self._forward)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+
+    def attach(self, proc: subprocess.Popen) -> subprocess.Popen:
+        self.proc = proc
+        for sig in self.pending:  # arrived while the command was starting
+            proc.send_signal(sig)
+        return proc
+
+    def _forward(self, signum, frame) -> None:
+        if self.proc is None:
+            self.pending.append(signum)
+        elif self.proc.poll() is None:
+            self.proc.send_signal(signum)
+        if callable(self.previous.get(signum)):
+            self.previous[signum](signum, frame)
 
 
 def _stop(proc: subprocess.Popen) -> None:

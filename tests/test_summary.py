@@ -28,16 +28,26 @@ def test_failures_always_carry_ok_false_and_an_error():
 
 def test_stopping_the_caller_stops_the_command_it_runs(tmp_path):
     """SIGTERM to a process inside run_with_summary (`eagle3 run`) reaches the command (the pipeline),
-    which ends; the caller goes on to report it. Before, the command ran on, orphaned."""
+    which ends; the caller goes on to report it. Before, the command ran on, orphaned. A signal the
+    caller ignores (SIGHUP under nohup) stays ignored by both."""
     import os
     import signal
     import subprocess
     import time
 
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
     pid_file = tmp_path / "command.pid"
     command = (f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); "
                "print('started', flush=True); time.sleep(120)")
-    caller = ("import sys; from eagle3_platform.summary import run_with_summary; "
+    # the caller's dispositions as `nohup eagle3 run` has them, whatever this test process inherited
+    caller = ("import signal, sys; signal.signal(signal.SIGTERM, signal.SIG_DFL); "
+              "signal.signal(signal.SIGHUP, signal.SIG_IGN); from eagle3_platform.summary import run_with_summary; "
               f"rc, s = run_with_summary([sys.executable, '-c', {command!r}]); print(rc, s['ok']); sys.exit(1)")
     proc = subprocess.Popen(_py(caller), stdout=subprocess.PIPE, text=True)
     pid = None
@@ -46,20 +56,15 @@ def test_stopping_the_caller_stops_the_command_it_runs(tmp_path):
         while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
             time.sleep(0.1)
         pid = int(pid_file.read_text())
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(1.0)
+        assert proc.poll() is None and alive(pid)  # ignored, as nohup asked
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 1 and out.split() == [str(-signal.SIGTERM), "False"]
-        try:
-            os.kill(pid, 0)  # reaped by the caller's wait: gone
-            alive = True
-        except ProcessLookupError:
-            alive = False
-        assert not alive
+        assert not alive(pid)  # reaped by the caller's wait: gone
     finally:
         if proc.poll() is None:
             proc.kill()
-        if pid is not None:
-            try:
-                os.kill(pid, signal.SIGKILL)  # only if the test failed: the command it started
-            except ProcessLookupError:
-                pass
+        if pid is not None and alive(pid):
+            os.kill(pid, signal.SIGKILL)  # only if the test failed: the command it started
