@@ -47,6 +47,7 @@ from eagle3_platform.compute import has_native_bf16, threads  # noqa: E402
 from eagle3_platform.data.chat import render_prompt  # noqa: E402
 from eagle3_platform.data.local_gen import common_prefix  # noqa: E402
 from eagle3_platform.draft.metrics import acceptance_length  # noqa: E402
+from eagle3_platform.records import write_json_atomic  # noqa: E402
 from eagle3_platform.spec.config import HEAD_WEIGHTS, PRESETS, SpecConfig, get_preset  # noqa: E402
 from eagle3_platform.spec.engine import SpecEngine  # noqa: E402
 from eagle3_platform.spec.eval import first_turn, load_prompts  # noqa: E402
@@ -157,7 +158,8 @@ def bench(methods: dict, prompts: list[list[int]], args, target) -> dict:
         if r == 0:
             agreement = token_agreement(target, rows, prompts, list(methods))
         if args.out:  # partial figures after every repeat: a cut-short run still reports
-            _write(args.out, {"figures": summarise(rows, list(methods), r + 1, agreement), "repeats_done": r + 1})
+            partial = {"figures": summarise(rows, list(methods), r + 1, agreement), "repeats_done": r + 1}
+            write_json_atomic(args.out, partial, indent=2)
     return summarise(rows, list(methods), args.repeats, agreement)
 
 
@@ -194,12 +196,6 @@ def token_agreement(target, rows: list[dict], prompts: list[list[int]], names: l
                 total += len(want)
         out[m] = same / max(1, total)
     return out
-
-
-def _write(path, obj) -> None:
-    tmp = Path(str(path) + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
 
 
 def summarise(rows: list[dict], names: list[str], repeats: int, agreement: dict | None = None) -> dict:
@@ -324,7 +320,7 @@ def main(argv=None) -> int:
               f"  step {f.get('step_cost_vs_decode', float('nan')):.2f}x decode"
               f"  agreement {f.get('token_agreement', float('nan')):.3f}")
     if args.out:
-        _write(args.out, result)
+        write_json_atomic(args.out, result, indent=2)
     print(json.dumps({m: {k: round(v, 3) for k, v in f.items() if isinstance(v, float)}
                       for m, f in figures.items()}))
     return 0

@@ -36,7 +36,7 @@ from safetensors import safe_open  # noqa: E402
 
 from eagle3_platform.features.shards import IDS_KEY, ShardDataset, read_header, read_manifest, shard_name, \
     write_manifest, write_shard  # noqa: E402
-from eagle3_platform.records import WORKLOADS, read_jsonl, write_jsonl_atomic  # noqa: E402
+from eagle3_platform.records import WORKLOADS, read_jsonl, write_json_atomic, write_jsonl_atomic  # noqa: E402
 
 
 def sample_table(dirs: list[Path]) -> list[list[tuple[Path, int, int]]]:
@@ -236,9 +236,7 @@ def main(argv=None) -> int:
     def record(point: dict) -> None:
         point["regen_s_est"] = point["response_tokens"] / args.regen_tok_s
         results.append(point)
-        tmp = results_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(results, indent=2))
-        os.replace(tmp, results_path)
+        write_json_atomic(results_path, results, indent=2)
 
     done = {r["size"] for r in results}
     if args.full_head and "full" not in done:  # first: cheap (no training), so a broken setup shows early
