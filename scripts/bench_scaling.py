@@ -216,6 +216,9 @@ def main(argv=None) -> int:
                     help="each point trains at least this many optimizer steps (epochs raised)")
     ap.add_argument("--full-head", type=Path, default=None,
                     help="the run's own head dir (draft/checkpoint), measured as the all-data point")
+    ap.add_argument("--extra-features", type=Path, nargs="*", default=[],
+                    help="feature dirs added to every point's training data (e.g. teacher-forced prompts); "
+                         "not counted in the point's response tokens")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     from eagle3_platform.compute import set_threads
@@ -251,6 +254,7 @@ def main(argv=None) -> int:
                   f"({sum(r[2] for rows in table for r in rows):,}); skipped", file=sys.stderr)
             continue
         feats, tokens, samples = sub
+        feats = [*feats, *args.extra_features]
         print(f"[scaling] {size:,}: {tokens:,} response tokens in {samples} samples", file=sys.stderr, flush=True)
         all_tokens = sum(m["tokens"] for d in feats for m in read_manifest(d).to_dicts())
         record({"size": size, "response_tokens": tokens, "samples": samples,

@@ -145,3 +145,49 @@ def test_ddp_two_gloo_processes_match_one(tiny_target_dir, features, tmp_path):
     a, b = load_file(str(tmp_path / "one" / "draft.safetensors")), load_file(str(tmp_path / "two" / "draft.safetensors"))
     for k in a:
         torch.testing.assert_close(b[k], a[k], atol=1e-5, rtol=1e-4)
+
+
+def test_supervise_setting_is_checked_and_overridable():
+    from pydantic import ValidationError
+
+    from eagle3_platform.draft.stages import TrainRequest, train_config
+
+    with pytest.raises(ValueError, match="supervise must be one of"):
+        replace(PRESETS["tiny"], supervise="prompts")
+    req = dict(target="t", features=["f"], out="o", preset="cpu")
+    assert train_config(TrainRequest(**req)).supervise == PRESETS["cpu"].supervise  # the preset's
+    assert train_config(TrainRequest(**req, supervise="all")).supervise == "all"
+    with pytest.raises(ValidationError):
+        TrainRequest(**req, supervise="prompts")
+
+
+@pytest.mark.integration
+def test_supervise_all_trains_prompt_positions_too(tiny_target_dir, features, tmp_path):
+    """supervise=all adds the prompt positions to the loss (the teacher is the target's distribution
+    there too); the held-out metrics still count response positions only, so heads compare alike."""
+    runs = {}
+    for mode in ("response", "all"):
+        cfg = replace(PRESETS["tiny"], supervise=mode, num_threads=1)
+        runs[mode] = train(tiny_target_dir, [features[0]], tmp_path / mode, cfg, eval_dirs=[features[1]])
+    trained = {m: sum(h["supervised"][0] for h in s["history"]) for m, s in runs.items()}
+    # ~40% of each sample is prompt, but only positions whose target top-1 is in the draft vocab (built
+    # from response tokens) are trained: on random prompt ids few are
+    assert trained["all"] > trained["response"] > 0
+    assert runs["all"]["eval"]["response_positions"] == runs["response"]["eval"]["response_positions"]
+    assert runs["all"]["steps"] == runs["response"]["steps"]  # same data plan: only the mask differs
+
+
+def test_resume_of_a_checkpoint_from_before_the_supervise_setting(tiny_target_dir, tmp_path):
+    """Checkpoints written before `supervise` existed trained response positions: an upgrade in the middle
+    of a training resumes them under the default, and refuses them for supervise=all."""
+    feats, out = tmp_path / "feats", tmp_path / "out"
+    cfg = replace(PRESETS["tiny"], epochs=1, num_threads=1)
+    target_features(tiny_target_dir, feats, n_samples=6, seed=0)
+    train(tiny_target_dir, [str(feats)], out, cfg)
+    state_path = out / "checkpoint" / "state.json"
+    state = json.loads(state_path.read_text())
+    del state["fingerprint"]["train"]["supervise"]
+    state_path.write_text(json.dumps(state))
+    with pytest.raises(ValueError, match="written for a different run"):
+        train(tiny_target_dir, [str(feats)], out, replace(cfg, supervise="all"), resume=True)
+    assert train(tiny_target_dir, [str(feats)], out, cfg, resume=True)["resumed_from"] > 0

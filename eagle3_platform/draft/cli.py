@@ -15,7 +15,8 @@ def _train(args) -> dict:
     out = run(TrainRequest(target=args.target, features=_dirs(args.features), out=args.out, preset=args.preset,
                            eval_features=_dirs(args.eval_features), vocab=args.vocab, resume=args.resume,
                            max_steps=args.max_steps, epochs=args.epochs, seed=args.seed,
-                           ckpt_every=args.ckpt_every, dtype=args.dtype, torch_threads=args.threads))
+                           ckpt_every=args.ckpt_every, supervise=args.supervise, dtype=args.dtype,
+                           torch_threads=args.threads))
     return {k: v for k, v in out.items() if k != "history"}  # the curve is in OUT/metrics.json
 
 
@@ -47,6 +48,9 @@ def add_commands(sub) -> None:
     p.add_argument("--epochs", type=int, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ckpt-every", type=int, default=None, help="optimizer steps between checkpoints")
+    p.add_argument("--supervise", choices=("response", "all"), default=None,
+                   help="positions the loss trains: response tokens, or all (prompt tokens too; the "
+                        "teacher is the target's distribution everywhere) (default: the preset's)")
     add_compute_args(p)
     p.set_defaults(func=_train)
 

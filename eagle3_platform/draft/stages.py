@@ -29,6 +29,7 @@ class TrainRequest(ComputeRequest):
     epochs: int | None = optional_count()
     seed: int | None = None
     ckpt_every: int | None = optional_count()
+    supervise: Literal["response", "all"] | None = None  # None: the preset's (train.TrainConfig.supervise)
 
 
 class ExportRequest(StageRequest):
@@ -60,7 +61,8 @@ def train_config(req: TrainRequest):
     from dataclasses import replace
 
     fields = {"max_steps": req.max_steps, "epochs": req.epochs, "seed": req.seed,
-              "ckpt_every": req.ckpt_every, "dtype": req.dtype, "num_threads": req.torch_threads}
+              "ckpt_every": req.ckpt_every, "dtype": req.dtype, "num_threads": req.torch_threads,
+              "supervise": req.supervise}
     return replace(req.platform().train, **{k: v for k, v in fields.items() if v is not None})
 
 

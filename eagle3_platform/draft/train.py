@@ -31,7 +31,7 @@ from eagle3_platform.compute import autocast, resolve_dtype, set_threads
 from eagle3_platform.draft.metrics import simulated_acceptance
 from eagle3_platform.draft.model import DraftConfig, Eagle3Draft, build_draft, target_head_weights, \
     target_hf_config
-from eagle3_platform.draft.ttt import TTTLoss, batch_targets, collate, step_masks
+from eagle3_platform.draft.ttt import TTTLoss, batch_targets, collate, real_positions, step_masks
 from eagle3_platform.draft.vocab import load_vocab, save_vocab, vocab_from_features
 from eagle3_platform.records import atomic_write, write_json_atomic
 
@@ -65,7 +65,19 @@ class TrainConfig:
     # compute dtype of the head's forward (bf16 autocast where it pays for dense work,
     # compute.resolve_dtype); master weights and AdamW state stay fp32, the loss is fp32 (ttt.step_terms)
     dtype: str = "auto"
+    # which positions the loss supervises: "response" (the predicted token is a response token: what
+    # the head drafts at inference) or "all" (prompt tokens too). The teacher is the target's own
+    # distribution at every position, so prompt positions are valid extra examples of "what the target
+    # predicts next from its features" at no extra regeneration or extraction cost (DESIGN §9).
+    # Held-out metrics always count response positions only.
+    supervise: str = "response"
 
+    def __post_init__(self):
+        if self.supervise not in SUPERVISE:
+            raise ValueError(f"supervise must be one of {', '.join(SUPERVISE)}, not {self.supervise!r}")
+
+
+SUPERVISE = ("response", "all")
 
 PRESETS: dict[str, TrainConfig] = {
     # unit tests: seconds on the tiny target
@@ -219,6 +231,8 @@ def _maybe_resume(out_dir: Path, resume: bool, draft, opt, fingerprint: dict) ->
                          f"--resume to start fresh, or delete {ckpt}") from None
     if "data_sha256" not in written_for:  # a checkpoint from before the data digest: the rest must agree
         fingerprint = {k: v for k, v in fingerprint.items() if k != "data_sha256"}
+    if "supervise" not in written_for.get("train", {}):  # from before the setting: it trained responses
+        written_for = {**written_for, "train": {**written_for["train"], "supervise": "response"}}
     if written_for != fingerprint:
         raise ValueError(f"checkpoint {ckpt} was written for a different run (data/config); "
                          "use a new --out or drop --resume")
@@ -327,7 +341,8 @@ def train(target_dir, feature_dirs, out_dir, cfg: TrainConfig, resume: bool = Fa
             acc = (acc_c / acc_n.clamp(min=1)).tolist()
             # training view: acc over supervised positions (target top-1 in the draft vocab)
             history.append({"step": step + 1, "loss": loss_acc / n_acc, "lr": lr_at(step, total, cfg),
-                            "acc": acc, "simulated_acceptance": simulated_acceptance(acc)})
+                            "acc": acc, "simulated_acceptance": simulated_acceptance(acc),
+                            "supervised": acc_n.long().tolist()})  # positions per step k since the last entry
             bar.set_postfix(loss=f"{loss_acc / n_acc:.3f}", acc0=f"{acc[0]:.3f}")
             acc_c, acc_n, loss_acc, n_acc = torch.zeros(K), torch.zeros(K), 0.0, 0
         if (step + 1) % cfg.ckpt_every == 0 or step + 1 == total:
@@ -356,6 +371,8 @@ def _train_step(ddp, opt, params, ds, batch_idx, lm_head, draft, cfg: TrainConfi
     K = cfg.ttt_steps
     local = batch_idx[rank::world]
     batch = collate([ds[i] for i in (local or batch_idx[:1])], cfg.max_len)
+    if cfg.supervise == "all":
+        batch = replace(batch, loss_mask=real_positions(batch))
     with autocast(cfg.dtype):  # the teacher's [n,V] matmul too; its softmax is fp32 (ttt.teacher)
         tprobs, masks = batch_targets(batch, lm_head, draft, K)
     if not local:  # more ranks than samples: a zero-weight stand-in keeps DDP's collectives aligned

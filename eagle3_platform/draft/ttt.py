@@ -61,6 +61,11 @@ def collate(samples: Sequence[dict], max_len: int | None = None) -> Batch:
     return b
 
 
+def real_positions(batch: Batch) -> torch.Tensor:
+    """[B,T] bool: True on every real (unpadded) position — the loss mask that supervises prompt tokens too."""
+    return torch.arange(batch.input_ids.shape[1])[None, :] < batch.lengths[:, None]
+
+
 @torch.no_grad()
 def teacher(last_hidden: torch.Tensor, target_lm_head: torch.Tensor, draft_to_target: torch.Tensor,
             need: torch.Tensor | None = None):
@@ -266,6 +271,6 @@ def batch_targets(batch: Batch, target_lm_head: torch.Tensor, draft: Eagle3Draft
     return tprobs, step_masks(batch.loss_mask, in_vocab, K)
 
 
-__all__ = ["Batch", "collate", "teacher", "step_masks", "ttt_attention", "blockwise_ttt_attention",
+__all__ = ["Batch", "collate", "real_positions", "teacher", "step_masks", "ttt_attention", "blockwise_ttt_attention",
            "fused_ttt_attention", "naive_ttt_attention",
            "ttt_hidden", "ttt_forward", "soft_cross_entropy", "step_terms", "shift_left", "TTTLoss", "batch_targets", "STEP_WEIGHT_DECAY"]
