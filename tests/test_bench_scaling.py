@@ -51,3 +51,33 @@ def test_the_whole_set_is_not_copied(tmp_path):
     got, tokens, samples = subset_dir(dirs, table, 12 * table[0][0][2], tmp_path / "out")
     assert got == dirs and samples == 12 and tokens == 12 * table[0][0][2]
     assert not (tmp_path / "out").exists()
+
+
+def test_teacher_forced_records_extract_and_account(tiny_target_dir, tmp_path, capsys):
+    """scripts/teacher_forced_records.py: every prompt is written, excluded or counted too long; the
+    records are the template's render with every token supervised, and the extractor takes them."""
+    import json
+
+    from teacher_forced_records import main
+
+    from eagle3_platform.data.chat import render
+    from eagle3_platform.features.extract import FeatureConfig, extract_file
+    from eagle3_platform.records import Message, PromptRecord, read_jsonl, write_jsonl_atomic
+    from transformers import AutoTokenizer
+
+    prompts = [PromptRecord(id=f"p{i}", workload="chat", source="test", license="MIT",
+                            messages=[Message(role="user", content=text)])
+               for i, text in enumerate(["Name three colours.", "Count to five.", "word " * 300])]
+    write_jsonl_atomic(tmp_path / "kept.jsonl", [p.model_dump() for p in prompts])
+    write_jsonl_atomic(tmp_path / "done.jsonl", [prompts[1].model_dump()])
+    out = tmp_path / "rec.jsonl"
+    assert main(["--target", str(tiny_target_dir), "--in", str(tmp_path / "kept.jsonl"), "--exclude",
+                 str(tmp_path / "done.jsonl"), "--out", str(out), "--max-length", "200"]) == 0
+    counts = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (counts["read"], counts["written"], counts["excluded"], counts["too_long"]) == (3, 1, 1, 1)
+    (rec,) = list(read_jsonl(out))
+    ids, _ = render(AutoTokenizer.from_pretrained(tiny_target_dir), prompts[0].messages)
+    assert rec["id"] == "p0" and rec["input_ids"] == ids and rec["loss_mask"] == [1] * len(ids)
+    assert rec["generation"] == {"teacher_forced": True}
+    summary = extract_file(tiny_target_dir, out, tmp_path / "feats", FeatureConfig(4, 512, 0, target_dtype="float32"))
+    assert summary["samples"] == 1 and summary["rejected"] == 0 and summary["tokens"] == len(ids)
