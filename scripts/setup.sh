@@ -6,6 +6,19 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3.11}
 command -v "$PYTHON" >/dev/null || PYTHON=python3
 
+# A full disk otherwise surfaces as pip's "[Errno 28] No space left on device" half-way through torch
+# (a CI run of session 34). The venv takes 2.7 GB, uv's cache 1.5 GB, torch's unpacking and the tests'
+# models and shards another ~1.5 GB: say so before starting.
+NEED_GB=${EAGLE3_SETUP_NEED_GB:-6}
+for dir in . "${TMPDIR:-/tmp}"; do
+  free_kb=$(df -Pk "$dir" | awk 'NR==2 {print $4}')
+  if [ "${free_kb:-0}" -lt $((NEED_GB * 1024 * 1024)) ]; then
+    echo "[setup] error: $((free_kb / 1024)) MB free on the filesystem of $(cd "$dir" && pwd);" \
+         "setup and the tests need about ${NEED_GB} GB (EAGLE3_SETUP_NEED_GB overrides)" >&2
+    exit 1
+  fi
+done
+
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 PIP=".venv/bin/python -m pip"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
