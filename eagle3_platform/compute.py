@@ -22,11 +22,13 @@ ones at every decode width in bf16 where it is native, but in fp32 on an Intel C
 avx512_bf16 the row-major kernel is faster below 4 rows. Under `auto` a second probe finds that row
 count per dtype (narrow_matmul_rows), kept in the same file.
 
-Where decode runs in fp32 for want of native bf16, a target whose weights lie on a 4-bit grid (the
-embedded SmolLM2 is a GGUF Q4_1) can still multiply a few rows in bf16, on its codes
-(int4_weights.py: 1/8 of the fp32 bytes; a whole decode step 1.6x faster on the Intel box). Under
-`auto` a third probe finds below how many rows that wins (int4_matmul_rows); those matmuls then round
-like bf16 ones, which bench_decode's token agreement reports. Explicit dtypes keep their arithmetic.
+A target whose weights lie on a 4-bit grid (the embedded SmolLM2 is a GGUF Q4_1) can multiply a few
+rows on its codes (int4_weights.py): where decode runs in fp32 for want of native bf16, at bf16's
+rounding and 1/8 of the fp32 bytes (a whole decode step 1.6x faster on an Intel box whose VM hides
+bf16); where it runs in bf16, at a quarter of bf16's bytes (1.4x faster at one row on an Intel Xeon
+with AMX, session 34; bf16's own kernels win from 5 rows there). Under `auto` a third probe, per
+decode dtype, finds below how many rows that wins (int4_matmul_rows); those matmuls round like bf16
+ones, which bench_decode's token agreement reports. Explicit dtypes keep their arithmetic.
 """
 from __future__ import annotations
 
@@ -140,12 +142,14 @@ def narrow_matmul_rows(name: str, device: str = "cpu") -> int:
 
 def int4_matmul_rows(name: str, device: str = "cpu") -> int:
     """Rows below which a CPU linear whose weights lie on a 4-bit grid multiplies on its codes
-    (packed_linear.PackedWeight, int4_weights.py); 0 = never. Under `auto` only, where decode resolves
-    to fp32 (no native bf16; there the codes give bf16's speed at bf16's rounding), from the
-    machine's probe (int4_probe_rows)."""
-    if name != "auto" or not device.startswith("cpu") or resolve_dtype(name, device) != "float32":
+    (packed_linear.PackedWeight, int4_weights.py); 0 = never. Under `auto` only, from the machine's
+    probe in the decode dtype (int4_probe_rows). Where decode runs in fp32 (no native bf16) the codes
+    give bf16's speed at bf16's rounding; where it runs in bf16 they read a quarter of its bytes (a
+    decode step 1.5x faster on an Intel Xeon with AMX; load_target takes the codes from the fp32
+    weights, before they are rounded to bf16 and off the grid). Explicit dtypes keep their kernels."""
+    if name != "auto" or not device.startswith("cpu"):
         return 0
-    return int4_probe_rows()
+    return int4_probe_rows(resolve_dtype(name, device))
 
 
 def torch_dtype(name: str, device: str = "cpu", work: str = "decode") -> torch.dtype:
@@ -173,11 +177,12 @@ def rowmajor_matmul_rows(dtype: str) -> int:
     return int(_probed(f"rowmajor_rows_{dtype}", lambda: _measure_rowmajor_rows(getattr(torch, dtype))))
 
 
-@functools.lru_cache(maxsize=1)
-def int4_probe_rows() -> int:
-    """Rows below which torch's int4 kernel beats the faster fp32 kernel (row-major or packed) on
+@functools.lru_cache(maxsize=2)
+def int4_probe_rows(dtype: str = "float32") -> int:
+    """Rows below which torch's int4 kernel beats the faster `dtype` kernel (row-major or packed) on
     this CPU (0 = never): read from the machine's probe file, or measured once (~1 s) and written."""
-    return int(_probed("int4_rows", _measure_int4_rows))
+    key = "int4_rows" if dtype == "float32" else f"int4_rows_{dtype}"  # fp32's name predates the others
+    return int(_probed(key, lambda: _measure_int4_rows(getattr(torch, dtype))))
 
 
 def _probed(name: str, measure):
@@ -255,11 +260,11 @@ def _measure_rowmajor_rows(dtype: torch.dtype, reps: int = 5) -> int:
 
 
 @torch.inference_mode()
-def _measure_int4_rows(reps: int = 5) -> int:
+def _measure_int4_rows(dtype: torch.dtype = torch.float32, reps: int = 5) -> int:
     """One more than the most rows (of INT4_PROBE_ROWS, in order) at which SmolLM2's MLP matmuls
     ([M,576]x[576,3072], [M,1536]x[1536,576], weights on a random 4-bit grid) run faster on their
-    codes than in fp32 (the faster of row-major and packed), best of `reps` interleaved; 0 where fp32
-    wins at the first. (The kernel's cost steps every 4 rows: winning at 12 means winning at 9-12.)"""
+    codes than in `dtype` (the faster of row-major and packed), best of `reps` interleaved; 0 where
+    `dtype` wins at the first. (The kernel's cost steps every 4 rows: winning at 12 means winning at 9-12.)"""
     from eagle3_platform.int4_weights import GROUP, LEVELS, grid_codes, int4_available, int4_matmul
     from eagle3_platform.packed_linear import pack_weight, packed_matmul, packing_available
 
@@ -276,10 +281,11 @@ def _measure_int4_rows(reps: int = 5) -> int:
     codes = [grid_codes(w) for w in weights]
     if None in codes:
         raise AssertionError("the int4 probe's weights are off the grid")
+    weights = [w.to(dtype) for w in weights]
     packed = [pack_weight(w) for w in weights] if packing_available() else None
     won = 0
     for rows in INT4_PROBE_ROWS:
-        xs = [torch.randn(rows, w.shape[1], generator=gen) for w in weights]
+        xs = [torch.randn(rows, w.shape[1], generator=gen).to(dtype) for w in weights]
         calls = {
             "int4": lambda: [int4_matmul(x, c) for x, c in zip(xs, codes)],
             "rowmajor": lambda: [torch.nn.functional.linear(x, w) for x, w in zip(xs, weights)],

@@ -25,9 +25,10 @@ packed one for a few rows (fp32 on an Intel CPU whose VM hides avx512_bf16: 1.3-
 packed 1.1-1.6x faster from 4), the row-major weight is kept too and inputs of fewer rows use it.
 
 4-bit inputs (`int4_rows`, compute.int4_matmul_rows): where a weight lies exactly on a GGUF grid (the
-embedded SmolLM2's Q4_1 projections, one 4-bit plane; its Q8_0 tied lm_head, two) and the machine
-computes in fp32, inputs of fewer rows multiply on its codes (int4_weights.py: 1/8 or 1/4 of the
-bytes, bf16 rounding; a two-plane weight only below int4_weights.TWO_PLANE_ROWS). Checked first.
+embedded SmolLM2's Q4_1 projections, one 4-bit plane; its Q8_0 tied lm_head, two), inputs of fewer
+rows multiply on its codes (int4_weights.py: 1/8 or 1/4 of the fp32 bytes, bf16 rounding; a
+two-plane weight only below int4_weights.TWO_PLANE_ROWS). Checked first. The codes are read off the
+weight as given; `dtype` casts the other copies after (a bf16 model's weights are off the grid).
 """
 from __future__ import annotations
 
@@ -60,10 +61,12 @@ class PackedWeight:
     order), except the codes' path: within bf16 rounding of it."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, wide_rows: int = 0,
-                 narrow_rows: int = 0, int4_rows: int = 0):
+                 narrow_rows: int = 0, int4_rows: int = 0, dtype: torch.dtype | None = None):
         weight = weight.detach()
+        self.int4 = grid_codes(weight) if int4_rows else None  # before a cast rounds it off the grid
+        weight = weight if dtype is None else weight.to(dtype)
+        bias = bias if dtype is None or bias is None else bias.to(dtype)
         self.packed, self.bias = pack_weight(weight), bias
-        self.int4 = grid_codes(weight) if int4_rows else None
         self.int4_rows = 0 if self.int4 is None else rows_on_codes(self.int4, int4_rows)
         self.narrow_rows = narrow_rows if narrow_rows > self.int4_rows else 0  # the codes serve fewer
         self.rowmajor = weight.contiguous() if self.narrow_rows else None
@@ -86,11 +89,14 @@ class PackedLinear(nn.Module):
     """y = x @ Wᵀ + b with W held in oneDNN's layout (an opaque tensor: not a parameter, not in the
     state dict, no autograd). Built from an nn.Linear, whose weight it replaces."""
 
-    def __init__(self, linear: nn.Linear, wide_rows: int = 0, narrow_rows: int = 0, int4_rows: int = 0):
+    def __init__(self, linear: nn.Linear, wide_rows: int = 0, narrow_rows: int = 0, int4_rows: int = 0,
+                 dtype: torch.dtype | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
-        self.weight_packed = PackedWeight(linear.weight, self.bias, wide_rows, narrow_rows, int4_rows)
+        self.weight_packed = PackedWeight(linear.weight, linear.bias, wide_rows, narrow_rows, int4_rows, dtype)
+        bias = self.weight_packed.bias
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.weight_packed.bias = self.bias  # one tensor: the module's parameter is the one multiplied
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         return self.weight_packed.matmul(x)
@@ -110,12 +116,12 @@ class SharedInput:
     """Sibling linears of one input as one packed matmul. Not a module: its FusedProjections are."""
 
     def __init__(self, linears: list[nn.Linear], wide_rows: int = 0, narrow_rows: int = 0,
-                 int4_rows: int = 0):
+                 int4_rows: int = 0, dtype: torch.dtype | None = None):
         self.sizes = [lin.out_features for lin in linears]
         biases = [lin.bias for lin in linears]
         bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
         self.weight_packed = PackedWeight(torch.cat([lin.weight.detach() for lin in linears]), bias,
-                                          wide_rows, narrow_rows, int4_rows)
+                                          wide_rows, narrow_rows, int4_rows, dtype)
         self._state: tuple = (None, (), frozenset())  # (input, its outputs, siblings served)
 
     def project(self, x: torch.Tensor, i: int) -> torch.Tensor:
@@ -148,21 +154,25 @@ class FusedProjection(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fused={self.index}"
 
 
-def pack_linears(model: nn.Module, wide_rows: int = 0, narrow_rows: int = 0, int4_rows: int = 0) -> int:
+def pack_linears(model: nn.Module, wide_rows: int = 0, narrow_rows: int = 0, int4_rows: int = 0,
+                 dtype: torch.dtype | None = None) -> int:
     """Swap every CPU nn.Linear of `model` for a PackedLinear in place (siblings of one input for
     FusedProjections); returns how many. A tied lm_head gets its own packed copy (the embedding keeps
     its weight). wide_rows > 0: bf16 weights also packed in fp32 for inputs of that many rows or more
     (PackedWeight); narrow_rows > 0: the row-major weight kept for inputs of fewer rows; int4_rows >
-    0: weights on a 4-bit grid also held as codes for inputs of fewer rows. No-op without oneDNN."""
+    0: weights on a 4-bit grid also held as codes for inputs of fewer rows. dtype: the packed weights
+    cast to it after their codes were taken (load_target: an fp32 checkpoint on a 4-bit grid, run in
+    bf16); the model's other parameters are the caller's to cast. No-op without oneDNN."""
     if not packing_available():
         return 0
-    fused = fuse_siblings(model, wide_rows, narrow_rows, int4_rows)
+    fused = fuse_siblings(model, wide_rows, narrow_rows, int4_rows, dtype)
     return fused + swap_linears(
-        model, lambda lin: PackedLinear(lin, wide_rows, narrow_rows, int4_rows)
+        model, lambda lin: PackedLinear(lin, wide_rows, narrow_rows, int4_rows, dtype)
         if lin.weight.device.type == "cpu" else lin)
 
 
-def fuse_siblings(model: nn.Module, wide_rows: int = 0, narrow_rows: int = 0, int4_rows: int = 0) -> int:
+def fuse_siblings(model: nn.Module, wide_rows: int = 0, narrow_rows: int = 0, int4_rows: int = 0,
+                  dtype: torch.dtype | None = None) -> int:
     """Each module holding a SIBLINGS group as CPU nn.Linears of one dtype and in_features gets
     FusedProjections in their place; returns how many linears were replaced."""
     fused = 0
@@ -173,7 +183,7 @@ def fuse_siblings(model: nn.Module, wide_rows: int = 0, narrow_rows: int = 0, in
                 continue
             if len({(lin.in_features, lin.weight.dtype, lin.bias is None) for lin in linears}) != 1:
                 continue
-            shared = SharedInput(linears, wide_rows, narrow_rows, int4_rows)
+            shared = SharedInput(linears, wide_rows, narrow_rows, int4_rows, dtype)
             for i, (name, lin) in enumerate(zip(names, linears)):
                 setattr(parent, name, FusedProjection(shared, i, lin.in_features))
             fused += len(names)

@@ -112,18 +112,23 @@ def load_target(path: str | Path, dtype: str = "float32", device: str = "cpu", p
     path = Path(path)
     if not (path / META_FILE).exists():
         raise FileNotFoundError(f"{path} is not a prepared target; run `eagle3 prepare-target`")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
-    packed, wide, narrow, int4, int4_linears = 0, 0, 0, 0, 0
+    int4 = int4_matmul_rows(setting, device) if pack and device == "cpu" else 0
+    # codes are read off the checkpoint's own values: a bf16 model's weights are rounded off the grid,
+    # so one decoding in bf16 on its codes loads in fp32 and is cast once its linears are packed
+    load_dtype = torch.float32 if int4 else getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=load_dtype).to(device).eval()
+    packed, wide, narrow, int4_linears = 0, 0, 0, 0
     if device == "cpu":
         from eagle3_platform.attention import use_grouped_decode
         from eagle3_platform.packed_linear import int4_weight_count, pack_linears
         use_grouped_decode(model)
         if pack:
             wide, narrow = wide_matmul_rows(setting, device), narrow_matmul_rows(setting, device)
-            int4 = int4_matmul_rows(setting, device)
-            packed = pack_linears(model, wide, narrow, int4)
+            packed = pack_linears(model, wide, narrow, int4, getattr(torch, dtype))
             int4_linears = int4_weight_count(model)
             int4 = int4 if int4_linears else 0
+    if load_dtype != getattr(torch, dtype):
+        _cast_parameters(model, getattr(torch, dtype))
     tok = AutoTokenizer.from_pretrained(path)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
@@ -131,6 +136,14 @@ def load_target(path: str | Path, dtype: str = "float32", device: str = "cpu", p
                   meta={**read_meta(path), "dtype": dtype, "kv_cache_dtype": kv_cache_dtype(setting, device),
                         "packed_linears": packed, "wide_fp32_rows": wide, "rowmajor_rows": narrow,
                         "int4_rows": int4, "int4_linears": int4_linears})
+
+
+def _cast_parameters(model, dtype: torch.dtype) -> None:
+    """The parameters (not the buffers: RoPE's inverse frequencies stay fp32) cast in place: the model
+    from_pretrained(dtype=dtype) gives."""
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    model.config.dtype = dtype
 
 
 def _describe(path: Path, model: str, source_hash: str) -> dict:

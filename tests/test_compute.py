@@ -179,7 +179,7 @@ def test_target_loads_in_the_resolved_dtype_and_records_it(cpu_with, tiny_target
     cpu_with(*flags)
     monkeypatch.setattr(compute, "dense_bf16_speedup", lambda: 0.5)  # bf16 matmuls slow: fp32 cache
     monkeypatch.setattr(compute, "rowmajor_matmul_rows", lambda dtype: 3)
-    monkeypatch.setattr(compute, "int4_probe_rows", lambda: 9)  # unused: the tiny target is off the grid
+    monkeypatch.setattr(compute, "int4_probe_rows", lambda dtype: 9)  # unused: the tiny target is off the grid
     t = load_target(tiny_target_dir, dtype="auto")
     assert next(t.model.parameters()).dtype is want
     assert t.meta["dtype"] == str(want).removeprefix("torch.")

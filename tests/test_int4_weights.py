@@ -143,18 +143,19 @@ def test_fused_siblings_hold_one_set_of_codes():
             torch.testing.assert_close(got, ref, **BF16_TOL)
 
 
-def test_auto_uses_codes_only_where_decode_runs_in_fp32(monkeypatch):
-    monkeypatch.setattr(compute, "int4_probe_rows", lambda: 13)
+def test_auto_uses_codes_below_the_decode_dtypes_probe(monkeypatch):
+    monkeypatch.setattr(compute, "int4_probe_rows", lambda dtype="float32": {"float32": 13, "bfloat16": 5}[dtype])
     monkeypatch.setattr(compute, "cpu_flags", lambda: frozenset({"avx512f"}))
     assert compute.int4_matmul_rows("auto") == 13
     assert compute.int4_matmul_rows("float32") == compute.int4_matmul_rows("bfloat16") == 0  # as asked
     assert compute.int4_matmul_rows("auto", "cuda") == 0
-    monkeypatch.setattr(compute, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
-    assert compute.int4_matmul_rows("auto") == 0  # bf16 decode: the model's weights are bf16 already
+    monkeypatch.setattr(compute, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16"}))
+    assert compute.int4_matmul_rows("auto") == 5  # bf16 decode: measured against bf16's kernels
 
 
-def test_int4_probe_answers_one_past_a_probed_row_count():
-    assert compute._measure_int4_rows(reps=1) in {0, *(r + 1 for r in compute.INT4_PROBE_ROWS)}
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_probe_answers_one_past_a_probed_row_count(dtype):
+    assert compute._measure_int4_rows(dtype, reps=1) in {0, *(r + 1 for r in compute.INT4_PROBE_ROWS)}
 
 
 @pytest.fixture
@@ -179,7 +180,7 @@ def test_target_on_a_grid_decodes_on_its_codes_under_auto(grid_target_dir, monke
 
     monkeypatch.setattr(compute, "cpu_flags", lambda: frozenset({"avx512f"}))
     monkeypatch.setattr(compute, "rowmajor_matmul_rows", lambda dtype: 3)
-    monkeypatch.setattr(compute, "int4_probe_rows", lambda: 9)
+    monkeypatch.setattr(compute, "int4_probe_rows", lambda dtype: 9)
     codes, fp32 = load_target(grid_target_dir, dtype="auto"), load_target(grid_target_dir, dtype="float32")
     layers = codes.model.config.num_hidden_layers
     assert codes.meta["int4_rows"] == 9 and codes.meta["int4_linears"] == 4 * layers  # qkv, o, gate/up, down
@@ -194,12 +195,41 @@ def test_target_on_a_grid_decodes_on_its_codes_under_auto(grid_target_dir, monke
     assert len(out) == 8
 
 
+def test_target_on_a_grid_decodes_in_bf16_on_its_codes_taken_before_the_cast(grid_target_dir, monkeypatch):
+    """Where decode runs in bf16 (native bf16), the codes come from the checkpoint's fp32 values (bf16
+    rounds them off the grid): the model is the bf16 one (parameters bf16, RoPE's frequencies fp32),
+    inputs of the probe's rows or more take its bf16 kernels (the same logits as a bf16 load), fewer
+    take the codes (within bf16 rounding of fp32)."""
+    from eagle3_platform.spec.config import PRESETS
+    from eagle3_platform.spec.engine import SpecEngine
+    from eagle3_platform.target import load_target
+
+    monkeypatch.setattr(compute, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16"}))
+    monkeypatch.setattr(compute, "dense_bf16_speedup", lambda: 4.0)
+    monkeypatch.setattr(compute, "rowmajor_matmul_rows", lambda dtype: 0)
+    monkeypatch.setattr(compute, "int4_probe_rows", lambda dtype: {"bfloat16": 5}[dtype])
+    codes, bf16 = load_target(grid_target_dir, dtype="auto"), load_target(grid_target_dir, dtype="bfloat16")
+    fp32 = load_target(grid_target_dir, dtype="float32")
+    layers = codes.model.config.num_hidden_layers
+    assert codes.meta["dtype"] == "bfloat16" and codes.meta["int4_rows"] == 5
+    assert codes.meta["int4_linears"] == 4 * layers and bf16.meta["int4_linears"] == 0
+    assert {p.dtype for p in codes.model.parameters()} == {torch.bfloat16}
+    assert {b.dtype for b in codes.model.buffers()} == {b.dtype for b in bf16.model.buffers()}
+    ids = torch.randint(5, codes.model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        torch.testing.assert_close(codes.model(ids).logits, bf16.model(ids).logits)  # 8 rows: bf16 kernels
+        got, want = codes.model(ids[:, :3]).logits, fp32.model(ids[:, :3]).logits  # 3 rows: the codes
+    torch.testing.assert_close(got.float(), want, rtol=5e-2, atol=5e-2)
+    out, _ = SpecEngine(codes, None, PRESETS["baseline"]).generate(ids[0].tolist(), 8)  # decode steps run
+    assert len(out) == 8
+
+
 def test_off_grid_target_records_no_codes(tiny_target_dir, monkeypatch):
     from eagle3_platform.target import load_target
 
     monkeypatch.setattr(compute, "cpu_flags", lambda: frozenset({"avx512f"}))
     monkeypatch.setattr(compute, "rowmajor_matmul_rows", lambda dtype: 3)
-    monkeypatch.setattr(compute, "int4_probe_rows", lambda: 9)
+    monkeypatch.setattr(compute, "int4_probe_rows", lambda dtype: 9)
     t = load_target(tiny_target_dir, dtype="auto")
     assert t.meta["int4_linears"] == 0 and t.meta["int4_rows"] == 0 and t.meta["rowmajor_rows"] == 3
 
@@ -213,7 +243,7 @@ def test_smollm2_projections_and_tied_lm_head_lie_on_their_grids(smollm2_dir, mo
 
     monkeypatch.setattr(compute, "cpu_flags", lambda: frozenset({"avx512f"}))
     monkeypatch.setattr(compute, "rowmajor_matmul_rows", lambda dtype: 4)
-    monkeypatch.setattr(compute, "int4_probe_rows", lambda: 17)
+    monkeypatch.setattr(compute, "int4_probe_rows", lambda dtype: 17)
     codes, fp32 = load_target(smollm2_dir, dtype="auto"), load_target(smollm2_dir, dtype="float32")
     layers = codes.model.config.num_hidden_layers
     assert codes.meta["int4_linears"] == 4 * layers + 1
