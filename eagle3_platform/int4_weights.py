@@ -130,7 +130,8 @@ def _nonzero(d: torch.Tensor) -> torch.Tensor:
 def int4_matmul(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
     """[..., in] -> [..., out] = x @ Wᵀ in x's dtype, with bf16 rounding of x, the scales and each
     plane's output (the module docstring); accumulation in fp32."""
-    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # [M, in]
+    # the kernel takes contiguous rows; a bf16 x's .to() is no copy, and a strided view stays strided
+    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()  # [M, in]
     first, *rest = (torch._weight_int4pack_mm_for_cpu(rows, p.packed, GROUP, p.scales_zeros)
                     for p in w.planes)  # [M, out] bf16 each
     out = first.float()

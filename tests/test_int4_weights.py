@@ -29,6 +29,20 @@ def test_codes_rebuild_a_grid_weight_within_bf16_rounding():
     torch.testing.assert_close(out, x @ w.T, **BF16_TOL)
 
 
+def test_bf16_inputs_strided_or_not_multiply_on_the_codes():
+    """A bf16 model hands the codes bf16 inputs, some of them strided views (regeneration's sliced
+    hidden states): the same product as a contiguous copy, in bf16."""
+    torch.manual_seed(0)
+    w = round_to_grid(torch.randn(96, 128) / 10)
+    codes = grid_codes(w)
+    x = torch.randn(3, 256).bfloat16()[:, ::2]  # [3, 128], not contiguous
+    assert not x.is_contiguous()
+    out = int4_matmul(x, codes)
+    assert out.dtype is torch.bfloat16
+    torch.testing.assert_close(out, int4_matmul(x.contiguous(), codes))
+    torch.testing.assert_close(out.float(), x.float() @ w.T, **BF16_TOL)
+
+
 def q8_0(w: torch.Tensor) -> torch.Tensor:
     """[out, in] -> the nearest values on Q8_0's grid (d·q per GROUP, d = max|w|/127), as a GGUF
     Q8_0 tensor dequantizes (the embedded SmolLM2's embedding and tied lm_head)."""
