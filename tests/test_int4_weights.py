@@ -236,6 +236,11 @@ def test_target_on_a_grid_decodes_in_bf16_on_its_codes_taken_before_the_cast(gri
     torch.testing.assert_close(got.float(), want, rtol=5e-2, atol=5e-2)
     out, _ = SpecEngine(codes, None, PRESETS["baseline"]).generate(ids[0].tolist(), 8)  # decode steps run
     assert len(out) == 8
+    two = torch.cat([ids, ids.flip(-1)])  # batched generate (regeneration's path) on the codes
+    with torch.inference_mode():
+        gen = codes.model.generate(two, attention_mask=torch.ones_like(two), max_new_tokens=3, do_sample=False,
+                                   pad_token_id=0)
+    assert gen.shape == (2, 11)
 
 
 def test_off_grid_target_records_no_codes(tiny_target_dir, monkeypatch):
@@ -268,3 +273,27 @@ def test_smollm2_projections_and_tied_lm_head_lie_on_their_grids(smollm2_dir, mo
         got, want = codes.model(ids).logits[0, -1], fp32.model(ids).logits[0, -1]
     torch.testing.assert_close(got, want, rtol=0, atol=0.05 * want.abs().max().item())
     assert got.argmax() == want.argmax()
+
+
+@pytest.mark.e2e
+def test_smollm2_in_bf16_generates_batched_on_its_codes(smollm2_dir, monkeypatch):
+    """The embedded target under auto where decode runs in bf16 (native bf16): codes below 5 rows, read
+    off the fp32 checkpoint. Batched greedy generate (regeneration's path: the lm_head reads the last
+    positions as a strided view) runs, and its first token is the bf16 model's."""
+    from eagle3_platform.target import load_target
+
+    monkeypatch.setattr(compute, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16"}))
+    monkeypatch.setattr(compute, "dense_bf16_speedup", lambda: 4.0)
+    monkeypatch.setattr(compute, "rowmajor_matmul_rows", lambda dtype: 0)
+    monkeypatch.setattr(compute, "int4_probe_rows", lambda dtype: {"bfloat16": 5}[dtype])
+    codes, bf16 = load_target(smollm2_dir, dtype="auto"), load_target(smollm2_dir, dtype="bfloat16")
+    assert codes.meta["int4_linears"] == 4 * codes.model.config.num_hidden_layers + 1
+    tok = codes.tokenizer
+    ids = tok(["The capital of France is", "One, two, three,"], return_tensors="pt", padding=True,
+              padding_side="left")
+    with torch.inference_mode():
+        got = codes.model.generate(**ids, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
+        want = bf16.model.generate(**ids, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert got.shape == want.shape
+    n = ids.input_ids.shape[1]
+    assert (got[:, n] == want[:, n]).float().mean().item() >= 0.5  # a near-tie may flip (another rounding)
