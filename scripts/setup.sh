@@ -6,9 +6,9 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3.11}
 command -v "$PYTHON" >/dev/null || PYTHON=python3
 
-# A full disk otherwise surfaces as pip's "[Errno 28] No space left on device" half-way through torch
-# (one of the project's CI runs, before session 34). The venv takes 2.7 GB, uv's cache 1.5 GB, torch's unpacking and the tests'
-# models and shards another ~1.5 GB: say so before starting.
+# A full disk otherwise surfaces as pip's "[Errno 28] No space left on device" half-way through
+# torch (one of the project's CI runs, before session 34). The venv takes 2.7 GB, uv's cache 1.5 GB,
+# torch's unpacking and the tests' models and shards another ~1.5 GB: say so before starting.
 NEED_GB=${EAGLE3_SETUP_NEED_GB:-6}
 for dir in . "${TMPDIR:-/tmp}"; do
   free_kb=$(df -Pk "$dir" | awk 'NR==2 {print $4}')
