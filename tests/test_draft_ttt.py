@@ -8,7 +8,8 @@ import torch
 from eagle3_platform.draft.model import DraftConfig, build_draft, target_hf_config
 from eagle3_platform.draft.ttt import (TTTLoss, batch_targets, blockwise_ttt_attention, collate,
                                        fused_ttt_attention, naive_ttt_attention, soft_cross_entropy,
-                                       step_masks, step_terms, teacher, ttt_attention, ttt_forward)
+                                       shift_left, step_masks, step_terms, teacher, ttt_attention,
+                                       ttt_forward)
 
 # hand-made sequence: prompt x0..x3 (loss_mask 0), response x4..x9 (loss_mask 1); r = 4
 T, R = 10, 4
@@ -82,6 +83,31 @@ def test_teacher_is_target_distribution_renormalised_over_draft_vocab():
     assert torch.equal(ok2[need], ok[need]) and not ok2[~need].any()
 
 
+def test_teacher_with_cached_top1_equals_the_full_vocab_teacher():
+    from eagle3_platform.draft.ttt import TargetTop1
+
+    torch.manual_seed(1)
+    W = torch.randn(300, 8)
+    d2t_ids = torch.randperm(300)[:40].sort().values
+    samples = [{"input_ids": torch.arange(T), "loss_mask": (torch.arange(T) >= 2).long(),
+                "aux_hidden": torch.zeros(T, 24), "last_hidden": torch.randn(T, 8) * 3} for T in (9, 6, 7)]
+    # a hidden state whose top-1 is in the draft vocab, so both branches of in_vocab are exercised
+    samples[0]["last_hidden"][4] = W[d2t_ids[0]] * 5
+    cache, in_vocab = TargetTop1(W), []
+    for order in ([0, 1], [2, 0], [1, 2]):  # every sample meets the cache in a second, other batch
+        batch = collate([samples[i] for i in order])
+        need = shift_left(batch.loss_mask, 1, fill=False)
+        probs, ok = teacher(batch.last_hidden, W, d2t_ids, need)
+        known = cache.batch(batch, order, need)
+        cprobs, cok = teacher(batch.last_hidden, W, d2t_ids, need, known)
+        torch.testing.assert_close(cprobs, probs, atol=1e-6, rtol=1e-5)
+        assert torch.equal(cok, ok) and (known[need] >= 0).all() and (known[~need] == -1).all()
+        in_vocab += ok[need].tolist()
+    assert sorted(cache.ids) == [0, 1, 2] and True in in_vocab and False in in_vocab
+    with pytest.raises(ValueError, match="top-1"):  # a needed row the cache never computed
+        teacher(batch.last_hidden, W, d2t_ids, need, torch.full(need.shape, -1))
+
+
 @pytest.mark.parametrize("attention", [blockwise_ttt_attention, fused_ttt_attention, ttt_attention])
 @pytest.mark.parametrize("K", [1, 2, 3, 4])
 def test_single_pass_attention_equals_naive_reference(draft, K, attention):
@@ -104,10 +130,12 @@ def test_ttt_attention_takes_the_fused_kernel_on_long_sequences(monkeypatch):
     called = []
     monkeypatch.setattr(ttt, "fused_ttt_attention", lambda q, ks, vs: called.append(q.shape[2]) or q)
     monkeypatch.setattr(ttt, "FUSED_MIN_LEN", 8)
-    for T in (7, 8):
+    monkeypatch.setattr(ttt, "FUSED_MIN_LEN_CAUSAL", 5)  # step 0: causal, block-skipping in the kernel
+    for T in (4, 5, 7, 8):
         q = torch.randn(1, 2, T, 4)
+        ttt.ttt_attention(q, [q], [q])
         ttt.ttt_attention(q, [q, q], [q, q])
-    assert called == [8]
+    assert called == [5, 7, 8, 8]
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

@@ -31,7 +31,7 @@ from eagle3_platform.compute import autocast, resolve_dtype, set_threads
 from eagle3_platform.draft.metrics import simulated_acceptance
 from eagle3_platform.draft.model import DraftConfig, Eagle3Draft, build_draft, target_head_weights, \
     target_hf_config
-from eagle3_platform.draft.ttt import TTTLoss, batch_targets, collate, real_positions, step_masks
+from eagle3_platform.draft.ttt import TargetTop1, TTTLoss, batch_targets, collate, real_positions, step_masks
 from eagle3_platform.draft.vocab import load_vocab, save_vocab, vocab_from_features
 from eagle3_platform.records import atomic_write, write_json_atomic
 
@@ -327,6 +327,7 @@ def train(target_dir, feature_dirs, out_dir, cfg: TrainConfig, resume: bool = Fa
     start, history = _maybe_resume(out_dir, resume, draft, opt, fingerprint)
     # resolved after the fingerprint: `auto` stays the setting (a resumed run may compute otherwise)
     run_cfg = replace(cfg, dtype=resolve_dtype(cfg.dtype, work="dense"))
+    top1 = TargetTop1(lm_head.to(getattr(torch, run_cfg.dtype)))  # cast once, not per teacher matmul
     model = TTTLoss(draft, cfg.ttt_steps)
     ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
     K, t0, tokens = cfg.ttt_steps, time.time(), 0
@@ -334,7 +335,7 @@ def train(target_dir, feature_dirs, out_dir, cfg: TrainConfig, resume: bool = Fa
     bar = tqdm(range(start, total), desc="train", file=sys.stderr, disable=rank != 0, initial=start,
                total=total)
     for step in bar:
-        stats, n_tok = _train_step(ddp, opt, params, ds, plan[step], lm_head, draft, run_cfg,
+        stats, n_tok = _train_step(ddp, opt, params, ds, plan[step], top1, draft, run_cfg,
                                    lr_at(step, total, cfg), rank, world)
         loss_acc, n_acc = loss_acc + float(stats[0]), n_acc + 1
         acc_c, acc_n = acc_c + stats[1:1 + K], acc_n + stats[1 + K:]
@@ -366,17 +367,18 @@ def train(target_dir, feature_dirs, out_dir, cfg: TrainConfig, resume: bool = Fa
     return summary
 
 
-def _train_step(ddp, opt, params, ds, batch_idx, lm_head, draft, cfg: TrainConfig, lr: float,
+def _train_step(ddp, opt, params, ds, batch_idx, top1: TargetTop1, draft, cfg: TrainConfig, lr: float,
                 rank: int, world: int) -> tuple[torch.Tensor, int]:
     """One optimizer step on this rank's share (samples rank::world) of a global batch.
     Returns ([global loss, correct_k..., counted_k...], global real tokens)."""
     K = cfg.ttt_steps
     local = batch_idx[rank::world]
-    batch = collate([ds[i] for i in (local or batch_idx[:1])], cfg.max_len)
+    samples = local or batch_idx[:1]
+    batch = collate([ds[i] for i in samples], cfg.max_len)
     if cfg.supervise == "all":
         batch = replace(batch, loss_mask=real_positions(batch))
-    with autocast(cfg.dtype):  # the teacher's [n,V] matmul too; its softmax is fp32 (ttt.teacher)
-        tprobs, masks = batch_targets(batch, lm_head, draft, K)
+    with autocast(cfg.dtype):  # the teacher's matmuls too; its softmax is fp32 (ttt.teacher)
+        tprobs, masks = batch_targets(batch, top1.lm_head, draft, K, (top1, samples))
     if not local:  # more ranks than samples: a zero-weight stand-in keeps DDP's collectives aligned
         masks = [torch.zeros_like(m) for m in masks]
     denom = all_sum(torch.stack([m.sum() for m in masks]))       # [K] global supervised counts

@@ -67,26 +67,65 @@ def real_positions(batch: Batch) -> torch.Tensor:
 
 
 @torch.no_grad()
+def target_top1(hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+    """[n,H] target post-norm states, [V,H] lm_head -> [n] int64: the target's top-1 token (argmax of
+    its full-vocab logits), TEACHER_CHUNK rows per matmul so [*,V] logits stay bounded."""
+    x = hidden.to(lm_head.dtype)
+    return torch.cat([greedy(x[i:i + TEACHER_CHUNK] @ lm_head.T) for i in range(0, x.shape[0], TEACHER_CHUNK)]
+                     or [torch.zeros(0, dtype=torch.int64)])
+
+
+@torch.no_grad()
 def teacher(last_hidden: torch.Tensor, target_lm_head: torch.Tensor, draft_to_target: torch.Tensor,
-            need: torch.Tensor | None = None):
-    """last_hidden [B,T,H] (target post-norm), target_lm_head [V,H], draft_to_target [Vd] →
-    (teacher probs over the draft vocab [B,T,Vd] fp32, target top-1 in draft vocab [B,T] bool).
+            need: torch.Tensor | None = None, top1: torch.Tensor | None = None):
+    """last_hidden [B,T,H] (target post-norm), target_lm_head [V,H] (its dtype is the matmuls'),
+    draft_to_target [Vd] -> (teacher probs over the draft vocab [B,T,Vd] fp32, target top-1 in draft
+    vocab [B,T] bool).
     need [B,T] bool: compute only these rows (others: probs 0, in_vocab False — never supervised).
-    Chunked so the full [*,V] logits never exist for more than TEACHER_CHUNK rows at a time."""
+    top1 [B,T] int64: the target's top-1 at the needed rows, known already (TargetTop1); then only the
+    lm_head's Vd rows are multiplied, not all V (Vd 8192 of SmolLM2's 49152: 1/6 of the work)."""
     B, T, H = last_hidden.shape
     rows = (need.reshape(-1) if need is not None else torch.ones(B * T, dtype=torch.bool)).nonzero()[:, 0]
-    flat = last_hidden.reshape(-1, H)[rows].float()                  # [n,H]
-    W = target_lm_head.float()                                       # [V,H]
-    in_vocab = torch.zeros(W.shape[0], dtype=torch.bool)             # [V]
+    flat = last_hidden.reshape(-1, H)[rows].to(target_lm_head.dtype)  # [n,H]
+    top = target_top1(flat, target_lm_head) if top1 is None else top1.reshape(-1)[rows]  # [n]
+    if top.numel() and int(top.min()) < 0:
+        raise ValueError("top1 lacks a needed position's target top-1")
+    in_vocab = torch.zeros(target_lm_head.shape[0], dtype=torch.bool)  # [V]
     in_vocab[draft_to_target] = True
-    probs = torch.zeros(B * T, draft_to_target.numel())
     ok = torch.zeros(B * T, dtype=torch.bool)
+    ok[rows] = in_vocab[top]
+    W = target_lm_head[draft_to_target]                               # [Vd,H]
+    probs = torch.zeros(B * T, draft_to_target.numel())
     for i in range(0, flat.shape[0], TEACHER_CHUNK):
-        z = flat[i:i + TEACHER_CHUNK] @ W.T                          # [c,V]
-        r = rows[i:i + TEACHER_CHUNK]
-        ok[r] = in_vocab[greedy(z)]
-        probs[r] = torch.softmax(z[:, draft_to_target], -1, dtype=torch.float32)  # [c,Vd] renormalised over Vd
+        z = flat[i:i + TEACHER_CHUNK] @ W.T                           # [c,Vd]
+        probs[rows[i:i + TEACHER_CHUNK]] = torch.softmax(z, -1, dtype=torch.float32)  # renormalised over Vd
     return probs.view(B, T, -1), ok.view(B, T)
+
+
+class TargetTop1:
+    """The target's top-1 token at the positions a teacher needs, per sample, computed once a run.
+    It is a pure function of a sample's features, yet the full-vocab matmul behind it was ~20% of a CPU
+    training step (SmolLM2, Vd 8192, bf16, 2 threads: teacher 0.44 s of 2.2), paid again every epoch.
+    Each sample's rows are multiplied on their own, whatever batch it arrives in, so a resumed run sees
+    the top-1s an uninterrupted one saw."""
+
+    def __init__(self, lm_head: torch.Tensor):
+        self.lm_head = lm_head                  # [V,H], in the dtype the matmuls run in
+        self.ids: dict[int, torch.Tensor] = {}  # sample -> [n] int32, -1 where not computed
+
+    def batch(self, batch: "Batch", samples: Sequence[int], need: torch.Tensor) -> torch.Tensor:
+        """batch rows = the given samples, need [B,T] bool -> [B,T] int64 top-1 ids (-1 elsewhere)."""
+        out = torch.full(need.shape, -1, dtype=torch.int64)
+        for row, s in enumerate(samples):
+            n = int(batch.lengths[row])
+            top = self.ids.get(s, torch.full((n,), -1, dtype=torch.int32))
+            missing = need[row, :n] & (top < 0)
+            if missing.any():
+                top = top.clone()
+                top[missing] = target_top1(batch.last_hidden[row, :n][missing], self.lm_head).int()
+                self.ids[s] = top
+            out[row, :n] = top
+        return out
 
 
 class SoftCrossEntropy(torch.autograd.Function):
@@ -172,15 +211,22 @@ def fused_ttt_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.
     return F.scaled_dot_product_attention(q, torch.cat(ks, 2), torch.cat(vs, 2), attn_mask=mask)
 
 
-# From this length the fused kernel is faster on CPU (fwd+bwd of K=4 steps, bf16, 2 threads, 9 heads:
-# T=384 0.54 vs 0.77 s blockwise/fused, T=512 1.13 vs 0.95 s, T=1024 2.2 vs 1.5 s, T=2048 6.5 vs 2.9 s).
+# From these lengths the fused kernel is faster on CPU. Step 0 is plain causal attention, which the
+# flash kernel computes block-causally; later steps hand it a mask, so it scores every key.
+# Later steps: fwd+bwd of K=4 steps, bf16, 2 threads, 9 heads (an earlier box): T=384 0.54 vs 0.77 s
+# blockwise/fused, T=512 1.13 vs 0.95 s, T=1024 2.2 vs 1.5 s, T=2048 6.5 vs 2.9 s.
+# Step 0: fwd+bwd of one step, bf16, 2 threads, Intel Xeon with AMX (~/.cache/eagle3-runs/s35/attn.py,
+# ~B*T = 4k tokens): T=192 0.054 vs 0.060 s, T=256 0.089 vs 0.057 s, T=384 0.130 vs 0.081 s,
+# T=512 0.267 vs 0.080 s.
 FUSED_MIN_LEN = 512
+FUSED_MIN_LEN_CAUSAL = 256
 
 
 def ttt_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
     """TTT attention of step k = len(ks)-1 (module docstring): blockwise for short batches, the fused
     kernel for long ones and on GPUs. Both equal naive_ttt_attention (tested)."""
-    if q.is_cuda or q.shape[2] >= FUSED_MIN_LEN:
+    min_len = FUSED_MIN_LEN_CAUSAL if len(ks) == 1 else FUSED_MIN_LEN
+    if q.is_cuda or q.shape[2] >= min_len:
         return fused_ttt_attention(q, ks, vs)
     return blockwise_ttt_attention(q, ks, vs)
 
@@ -262,15 +308,18 @@ class TTTLoss(nn.Module):
         return loss * scale, torch.stack(correct), torch.stack(counted)
 
 
-def batch_targets(batch: Batch, target_lm_head: torch.Tensor, draft: Eagle3Draft, K: int):
-    """Teacher probs [B,T,Vd] and per-step supervision masks for a batch."""
+def batch_targets(batch: Batch, target_lm_head: torch.Tensor, draft: Eagle3Draft, K: int,
+                  top1: tuple[TargetTop1, Sequence[int]] | None = None):
+    """Teacher probs [B,T,Vd] and per-step supervision masks for a batch.
+    top1: (cache, the batch's sample ids): the target's top-1s from the cache (TargetTop1)."""
     d2t_ids = draft.to_target_ids(torch.arange(draft.cfg.draft_vocab_size))
     # the teacher of position p is used only when x_{p+1} is a response token (step_masks)
     need = shift_left(batch.loss_mask, 1, fill=False)
-    tprobs, in_vocab = teacher(batch.last_hidden, target_lm_head, d2t_ids, need)
+    known = top1[0].batch(batch, top1[1], need) if top1 else None
+    tprobs, in_vocab = teacher(batch.last_hidden, target_lm_head, d2t_ids, need, known)
     return tprobs, step_masks(batch.loss_mask, in_vocab, K)
 
 
-__all__ = ["Batch", "collate", "real_positions", "teacher", "step_masks", "ttt_attention", "blockwise_ttt_attention",
+__all__ = ["Batch", "collate", "real_positions", "teacher", "target_top1", "TargetTop1", "step_masks", "ttt_attention", "blockwise_ttt_attention",
            "fused_ttt_attention", "naive_ttt_attention",
            "ttt_hidden", "ttt_forward", "soft_cross_entropy", "step_terms", "shift_left", "TTTLoss", "batch_targets", "STEP_WEIGHT_DECAY"]
