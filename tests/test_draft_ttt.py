@@ -101,7 +101,12 @@ def test_teacher_with_cached_top1_equals_the_full_vocab_teacher():
         known = cache.batch(batch, order, need)
         cprobs, cok = teacher(batch.last_hidden, W, d2t_ids, need, known)
         torch.testing.assert_close(cprobs, probs, atol=1e-6, rtol=1e-5)
-        assert torch.equal(cok, ok) and (known[need] >= 0).all() and (known[~need] == -1).all()
+        # in_vocab comes from argmaxes of matmuls of other shapes (per sample vs per batch): compared
+        # where the top two logits are apart by more than rounding, not bitwise
+        top2 = (batch.last_hidden @ W.T).topk(2, -1).values
+        clear = need & (top2[..., 0] - top2[..., 1] > 1e-4)
+        assert clear.sum() >= need.sum() - 1 and (cok[clear] == ok[clear]).all()
+        assert (known[need] >= 0).all() and (known[~need] == -1).all()
         in_vocab += ok[need].tolist()
     assert sorted(cache.ids) == [0, 1, 2] and True in in_vocab and False in in_vocab
     with pytest.raises(ValueError, match="top-1"):  # a needed row the cache never computed
