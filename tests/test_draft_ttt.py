@@ -225,5 +225,9 @@ def test_right_padding_is_invisible(draft, lm_head):
         single = [lg for _, lg in ttt_forward(draft, alone.aux_hidden, alone.input_ids, 3)]
     for k in range(3):   # valid positions of b (whose inputs exist) are unaffected by padding
         torch.testing.assert_close(padded[k][1, :9 - 1 - k], single[k][0, :9 - 1 - k], atol=1e-5, rtol=1e-5)
+    for s in (a, b):  # the counts rest on argmaxes of matmuls of other shapes (batch of 2 vs 1):
+        # exact only where every top-1 is clear of the runner-up by far more than rounding
+        top2 = (s["last_hidden"] @ lm_head.float().T).topk(2, -1).values
+        assert (top2[..., 0] - top2[..., 1] > 1e-3).all()
     _, nab = _loss(draft, lm_head, [a, b])
     assert torch.equal(nab, _loss(draft, lm_head, [a])[1] + _loss(draft, lm_head, [b])[1])
