@@ -15,7 +15,9 @@ import torch
 from safetensors.torch import load_file
 
 from eagle3_platform.testing.synthetic import target_features
-from eagle3_platform.draft.train import PRESETS, batch_plan, epoch_batches, lr_at, train
+from eagle3_platform.draft import train as train_mod
+from eagle3_platform.draft.train import (PRESETS, TrainConfig, batch_plan, epoch_batches, lr_at, noisy_features,
+                                        train)
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -178,8 +180,9 @@ def test_supervise_all_trains_prompt_positions_too(tiny_target_dir, features, tm
 
 
 def test_resume_of_a_checkpoint_from_before_the_supervise_setting(tiny_target_dir, tmp_path):
-    """Checkpoints written before `supervise` existed trained response positions: an upgrade in the middle
-    of a training resumes them under the default, and refuses them for supervise=all."""
+    """Checkpoints written before `supervise` (and `feature_noise`) existed trained response positions
+    without noise: an upgrade in the middle of a training resumes them under the defaults, and refuses
+    them for supervise=all."""
     feats, out = tmp_path / "feats", tmp_path / "out"
     cfg = replace(PRESETS["tiny"], epochs=1, num_threads=1)
     target_features(tiny_target_dir, feats, n_samples=6, seed=0)
@@ -187,7 +190,57 @@ def test_resume_of_a_checkpoint_from_before_the_supervise_setting(tiny_target_di
     state_path = out / "checkpoint" / "state.json"
     state = json.loads(state_path.read_text())
     del state["fingerprint"]["train"]["supervise"]
+    del state["fingerprint"]["train"]["feature_noise"]
     state_path.write_text(json.dumps(state))
     with pytest.raises(ValueError, match="written for a different run"):
         train(tiny_target_dir, [str(feats)], out, replace(cfg, supervise="all"), resume=True)
     assert train(tiny_target_dir, [str(feats)], out, cfg, resume=True)["resumed_from"] > 0
+
+
+def test_feature_noise_is_bounded_per_layer_and_seeded():
+    H = 8
+    g = torch.Generator().manual_seed(0)
+    scales = torch.tensor([0.1, 1.0, 30.0])  # three layers whose features differ in scale
+    aux = (torch.randn(2, 5, 3, H, generator=g) * scales[:, None]).view(2, 5, 3 * H)
+    aux[1, 3:] = 0  # padding rows
+    noisy = noisy_features(aux, H, 0.2, seed=7)
+    x, y = aux.view(2, 5, 3, H), noisy.view(2, 5, 3, H)
+    rms = x.pow(2).mean(-1, keepdim=True).sqrt()
+    assert ((y - x).abs() <= 0.2 * rms + 1e-6).all()        # at most a·rms per element, per layer
+    rel = ((y - x).pow(2).mean(-1).sqrt() / rms.squeeze(-1).clamp(min=1e-9))[0]
+    assert (rel > 0.02).all()                               # every layer moved, the small one too
+    assert torch.equal(noisy[1, 3:], aux[1, 3:])            # padding stays zero
+    torch.testing.assert_close(noisy_features(aux, H, 0.2, seed=7), noisy)
+    assert not torch.allclose(noisy_features(aux, H, 0.2, seed=8), noisy)
+    with pytest.raises(ValueError, match="feature_noise"):
+        TrainConfig(feature_noise=-0.1)
+
+
+def test_feature_noise_trains_otherwise_and_resumes_exactly(tiny_target_dir, tmp_path, monkeypatch):
+    """Noise changes what the head learns; a run stopped by a crash and resumed draws the same noise
+    per step as an uninterrupted one, so it ends with the same weights."""
+    feats = target_features(tiny_target_dir, tmp_path / "f", n_samples=6, seed=0)
+    cfg = replace(PRESETS["tiny"], epochs=8, num_threads=1, ckpt_every=2, feature_noise=0.3)
+    ref = train(tiny_target_dir, [str(feats)], tmp_path / "ref", cfg)
+    plain = train(tiny_target_dir, [str(feats)], tmp_path / "plain", replace(cfg, feature_noise=0.0))
+    assert ref["steps"] == plain["steps"] >= 4
+    a = load_file(str(tmp_path / "ref" / "draft.safetensors"))
+    b = load_file(str(tmp_path / "plain" / "draft.safetensors"))
+    assert any(not torch.allclose(a[k], b[k], atol=1e-4) for k in a)
+
+    real = train_mod._train_step
+
+    def crash_at_3(*args, **kw):
+        if args[-1] == 3:  # step 3: after the checkpoint of step 2
+            raise RuntimeError("simulated crash")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(train_mod, "_train_step", crash_at_3)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train(tiny_target_dir, [str(feats)], tmp_path / "crashed", cfg)
+    monkeypatch.setattr(train_mod, "_train_step", real)
+    resumed = train(tiny_target_dir, [str(feats)], tmp_path / "crashed", cfg, resume=True)
+    assert resumed["resumed_from"] == 2
+    c = load_file(str(tmp_path / "crashed" / "draft.safetensors"))
+    for k in a:
+        torch.testing.assert_close(c[k], a[k], atol=1e-6, rtol=1e-5, msg=k)

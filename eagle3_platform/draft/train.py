@@ -73,13 +73,23 @@ class TrainConfig:
     # response tokens "all" lifted held-out tau by 0.026 for 1.39x the step cost, no more than the same
     # time spent on more epochs over the responses, so the presets keep "response".
     supervise: str = "response"
+    # Uniform noise on the target features while training (EAGLE-1's augmentation): each layer's
+    # feature vector gets U(-a, a)·rms per element, a = feature_noise, rms = that vector's RMS (the
+    # three layers' scales differ ~10x). A data-starved head memorises its few samples; noise makes
+    # every epoch see other features. Seeded per step, so a resumed run draws the same noise. 0 = off.
+    feature_noise: float = 0.0
 
     def __post_init__(self):
         if self.supervise not in SUPERVISE:
             raise ValueError(f"supervise must be one of {', '.join(SUPERVISE)}, not {self.supervise!r}")
+        if not 0.0 <= self.feature_noise < 1.0:
+            raise ValueError(f"feature_noise must be in [0, 1), not {self.feature_noise}")
 
 
 SUPERVISE = ("response", "all")
+# TrainConfig fields added after checkpoints were already being written, with the value those
+# checkpoints trained with: a resume across the upgrade matches on it instead of refusing
+LATER_SETTINGS = {"supervise": "response", "feature_noise": 0.0}
 
 PRESETS: dict[str, TrainConfig] = {
     # unit tests: seconds on the tiny target
@@ -236,8 +246,9 @@ def _maybe_resume(out_dir: Path, resume: bool, draft, opt, fingerprint: dict) ->
                          f"--resume to start fresh, or delete {ckpt}") from None
     if "data_sha256" not in written_for:  # a checkpoint from before the data digest: the rest must agree
         fingerprint = {k: v for k, v in fingerprint.items() if k != "data_sha256"}
-    if "supervise" not in written_for.get("train", {}):  # from before the setting: it trained responses
-        written_for = {**written_for, "train": {**written_for.get("train", {}), "supervise": "response"}}
+    # settings added since a checkpoint was written: it trained with what is now their default
+    added = {k: v for k, v in LATER_SETTINGS.items() if k not in written_for.get("train", {})}
+    written_for = {**written_for, "train": {**written_for.get("train", {}), **added}}
     if written_for != fingerprint:
         raise ValueError(f"checkpoint {ckpt} was written for a different run (data/config); "
                          "use a new --out or drop --resume")
@@ -339,7 +350,7 @@ def train(target_dir, feature_dirs, out_dir, cfg: TrainConfig, resume: bool = Fa
                total=total)
     for step in bar:
         stats, n_tok = _train_step(ddp, opt, params, ds, plan[step], top1, draft, run_cfg,
-                                   lr_at(step, total, cfg), rank, world)
+                                   lr_at(step, total, cfg), rank, world, step)
         loss_acc, n_acc = loss_acc + float(stats[0]), n_acc + 1
         acc_c, acc_n = acc_c + stats[1:1 + K], acc_n + stats[1 + K:]
         tokens += n_tok
@@ -371,8 +382,8 @@ def train(target_dir, feature_dirs, out_dir, cfg: TrainConfig, resume: bool = Fa
 
 
 def _train_step(ddp, opt, params, ds, batch_idx, top1: TargetTop1, draft, cfg: TrainConfig, lr: float,
-                rank: int, world: int) -> tuple[torch.Tensor, int]:
-    """One optimizer step on this rank's share (samples rank::world) of a global batch.
+                rank: int, world: int, step: int = 0) -> tuple[torch.Tensor, int]:
+    """One optimizer step (number `step`) on this rank's share (samples rank::world) of a global batch.
     Returns ([global loss, correct_k..., counted_k...], global real tokens)."""
     K = cfg.ttt_steps
     local = batch_idx[rank::world]
@@ -387,14 +398,28 @@ def _train_step(ddp, opt, params, ds, batch_idx, top1: TargetTop1, draft, cfg: T
     denom = all_sum(torch.stack([m.sum() for m in masks]))       # [K] global supervised counts
     for g in opt.param_groups:
         g["lr"] = lr
+    aux = batch.aux_hidden
+    if cfg.feature_noise:  # after the teacher: it reads last_hidden, never the noisy features
+        aux = noisy_features(aux, draft.cfg.hidden_size, cfg.feature_noise,
+                             cfg.seed * 1_000_003 + step * 97 + rank)
     with autocast(cfg.dtype):
-        loss, c, n = ddp(batch.aux_hidden, batch.input_ids, tprobs, masks, denom, float(world))
+        loss, c, n = ddp(aux, batch.input_ids, tprobs, masks, denom, float(world))
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
     opt.step()
     stats = all_sum(torch.cat([loss.detach().reshape(1) / world, c.float(), n.float()]))
     return stats, int(all_sum(batch.lengths.sum() if local else torch.tensor(0)))
+
+
+def noisy_features(aux: torch.Tensor, H: int, a: float, seed: int) -> torch.Tensor:
+    """aux [B,T,L·H] (L layers' features of width H side by side) -> aux + U(-a, a)·rms, rms per
+    position and layer [B,T,L,1]; padding rows (all zero) stay zero."""
+    B, T, LH = aux.shape
+    x = aux.float().view(B, T, LH // H, H)                           # [B,T,L,H]
+    rms = x.pow(2).mean(-1, keepdim=True).sqrt()                     # [B,T,L,1]
+    u = torch.rand(x.shape, generator=torch.Generator().manual_seed(seed)) * 2 - 1
+    return (x + a * rms * u).view(B, T, LH).to(aux.dtype)
 
 
 def _final_eval(draft, ds, eval_dirs, expect, lm_head, cfg: TrainConfig) -> dict:
