@@ -161,6 +161,10 @@ def test_supervise_setting_is_checked_and_overridable():
     assert train_config(TrainRequest(**req, supervise="all")).supervise == "all"
     with pytest.raises(ValidationError):
         TrainRequest(**req, supervise="prompts")
+    assert train_config(TrainRequest(**req)).feature_noise == PRESETS["cpu"].feature_noise
+    assert train_config(TrainRequest(**req, feature_noise=0.3)).feature_noise == 0.3
+    with pytest.raises(ValidationError):
+        TrainRequest(**req, feature_noise=1.5)
 
 
 @pytest.mark.integration

@@ -15,7 +15,8 @@ def _train(args) -> dict:
     out = run(TrainRequest(target=args.target, features=_dirs(args.features), out=args.out, preset=args.preset,
                            eval_features=_dirs(args.eval_features), vocab=args.vocab, resume=args.resume,
                            max_steps=args.max_steps, epochs=args.epochs, seed=args.seed,
-                           ckpt_every=args.ckpt_every, supervise=args.supervise, dtype=args.dtype,
+                           ckpt_every=args.ckpt_every, supervise=args.supervise,
+                           feature_noise=args.feature_noise, dtype=args.dtype,
                            torch_threads=args.threads))
     return {k: v for k, v in out.items() if k != "history"}  # the curve is in OUT/metrics.json
 
@@ -51,6 +52,9 @@ def add_commands(sub) -> None:
     p.add_argument("--supervise", choices=("response", "all"), default=None,
                    help="positions the loss trains: response tokens, or all (prompt tokens too; the "
                         "teacher is the target's distribution everywhere) (default: the preset's)")
+    p.add_argument("--feature-noise", type=float, default=None,
+                   help="uniform noise on the target features while training, relative to each layer's "
+                        "RMS, in [0, 1) (0 = none; default: the preset's)")
     add_compute_args(p)
     p.set_defaults(func=_train)
 

@@ -30,6 +30,7 @@ class TrainRequest(ComputeRequest):
     seed: int | None = None
     ckpt_every: int | None = optional_count()
     supervise: Literal["response", "all"] | None = None  # None: the preset's (train.TrainConfig.supervise)
+    feature_noise: float | None = Field(default=None, ge=0.0, lt=1.0)  # None: the preset's
 
 
 class ExportRequest(StageRequest):
@@ -62,7 +63,7 @@ def train_config(req: TrainRequest):
 
     fields = {"max_steps": req.max_steps, "epochs": req.epochs, "seed": req.seed,
               "ckpt_every": req.ckpt_every, "dtype": req.dtype, "num_threads": req.torch_threads,
-              "supervise": req.supervise}
+              "supervise": req.supervise, "feature_noise": req.feature_noise}
     return replace(req.platform().train, **{k: v for k, v in fields.items() if v is not None})
 
 

@@ -110,9 +110,12 @@ PRESETS: dict[str, TrainConfig] = {
     # 6 epochs, not 4: on session 34's 266k response tokens, held-out simulated acceptance 1.45 vs
     # 1.42, engine tau chain 1.38 vs 1.32, tree 1.71 vs 1.65 (16 MT-bench prompts), for 267 more
     # steps (~9 min; the top-1 cache saves ~5 of them back) in a run of ~68 min (sessions 34-35)
+    # feature_noise 0.2: at 100k of those tokens (324 steps, 60 held-out prompts) held-out simulated
+    # acceptance 1.333 -> 1.349, tau chain 1.317 -> 1.337, every workload up; 0.5 gave 1.340 / 1.329
+    # (session 36, scripts/bench_scaling.py --overrides)
     "cpu": TrainConfig(ttt_steps=2, draft_vocab_size=8192, lr=1e-3, warmup_ratio=0.03,
                        batch_tokens=4096, max_len=2048, epochs=6, ckpt_every=20, log_every=10,
-                       eval_samples=128),
+                       eval_samples=128, feature_noise=0.2),
     # real training (GPU / many cores): the public EAGLE-3 / SpecForge recipe
     "full": TrainConfig(ttt_steps=7, draft_vocab_size=32000, lr=1e-4, warmup_ratio=0.03,
                         batch_tokens=16384, max_len=4096, epochs=10, ckpt_every=500, log_every=50,
