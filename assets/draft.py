@@ -1,6 +1,8 @@
 """`draft_vocab` (top-Vd response tokens → d2t/t2d) and `draft_head` (EAGLE-3 TTT training from the
 feature shards of every available workload, scored on held-out features, then the SGLang export)."""
+import dataclasses
 import hashlib
+import json
 
 from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
 
@@ -24,6 +26,14 @@ def inputs_hash(*paths) -> str:
     for p in paths:
         h.update(p.read_bytes() if p.is_file() else (p / "manifest.parquet").read_bytes())
     return h.hexdigest()
+
+
+def train_settings_hash(preset: PresetResource) -> str:
+    """The preset's resolved training settings. Part of the head's staging key: after an upgrade that
+    changes the recipe (more epochs, feature noise), a killed training starts afresh in a new dir
+    instead of resuming a checkpoint written for other settings, which training refuses."""
+    blob = json.dumps(dataclasses.asdict(preset.area("train")), sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 @asset(deps=[feature_shards], group_name="draft", kinds={"pytorch", "safetensors"})
@@ -50,8 +60,9 @@ def draft_head(context: AssetExecutionContext, storage: StorageResource, target:
     dirs = fetch_features(storage, target, "train", context.log)
     eval_dirs = fetch_features(storage, target, "eval", context.log)
     vocab = storage.fetch(f"{Keys.VOCAB}/{VOCAB_FILE}")
-    # Same inputs + preset → same staging dir, so a killed training resumes from its checkpoint.
-    ckpt = storage.staging(Keys.DRAFT, preset.staging_key(inputs_hash(vocab, *dirs, *eval_dirs)))
+    # Same inputs + preset and recipe → same staging dir, so a killed training resumes from its checkpoint.
+    key = inputs_hash(vocab, *dirs, *eval_dirs) + train_settings_hash(preset)
+    ckpt = storage.staging(Keys.DRAFT, preset.staging_key(key))
     summary = compute.run(context, TrainRequest(
         target=str(target.dir()), features=[str(d) for d in dirs], out=str(ckpt), preset=preset.name,
         eval_features=[str(d) for d in eval_dirs], vocab=str(vocab), resume=True, **preset.compute()))

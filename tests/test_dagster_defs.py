@@ -101,6 +101,22 @@ def test_preset_resource_reads_area_configs():
     bf16 = PresetResource(name="tiny", dtype="bfloat16", torch_threads=1)
     assert bf16.compute() == {"dtype": "bfloat16", "torch_threads": 1}
     assert bf16.staging_key("abc") != tiny.staging_key("abc")  # other settings: a fresh staging dir
+
+
+def test_head_staging_follows_the_training_recipe(monkeypatch):
+    """A preset whose training recipe changed (an upgrade while a training was killed) trains in a
+    fresh staging dir: its old checkpoint was written for other settings and would be refused."""
+    from dataclasses import replace
+
+    from assets.draft import train_settings_hash
+    from eagle3_platform.draft import train
+    from resources import PresetResource
+
+    cpu = PresetResource(name="cpu")
+    before = train_settings_hash(cpu)
+    assert train_settings_hash(PresetResource(name="cpu")) == before  # deterministic: resumes
+    monkeypatch.setitem(train.PRESETS, "cpu", replace(train.PRESETS["cpu"], epochs=7))
+    assert train_settings_hash(cpu) != before
     with pytest.raises(ValueError, match="unknown preset"):
         PresetResource(name="huge").area("train")
 
