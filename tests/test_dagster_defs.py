@@ -101,6 +101,8 @@ def test_preset_resource_reads_area_configs():
     bf16 = PresetResource(name="tiny", dtype="bfloat16", torch_threads=1)
     assert bf16.compute() == {"dtype": "bfloat16", "torch_threads": 1}
     assert bf16.staging_key("abc") != tiny.staging_key("abc")  # other settings: a fresh staging dir
+    with pytest.raises(ValueError, match="unknown preset"):
+        PresetResource(name="huge").area("train")
 
 
 def test_head_staging_follows_the_training_recipe(monkeypatch):
@@ -117,8 +119,6 @@ def test_head_staging_follows_the_training_recipe(monkeypatch):
     assert train_settings_hash(PresetResource(name="cpu")) == before  # deterministic: resumes
     monkeypatch.setitem(train.PRESETS, "cpu", replace(train.PRESETS["cpu"], epochs=7))
     assert train_settings_hash(cpu) != before
-    with pytest.raises(ValueError, match="unknown preset"):
-        PresetResource(name="huge").area("train")
 
 
 def test_every_preset_has_an_acceptance_gate():
