@@ -1,6 +1,5 @@
 """`draft_vocab` (top-Vd response tokens → d2t/t2d) and `draft_head` (EAGLE-3 TTT training from the
 feature shards of every available workload, scored on held-out features, then the SGLang export)."""
-import dataclasses
 import hashlib
 import json
 
@@ -9,6 +8,7 @@ from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, ass
 from assets.features import feature_shards, features_for
 from assets.metadata import summary_metadata
 from assets.partitions import Keys
+from assets.versions import settings
 from eagle3_platform.draft.stages import ExportRequest, TrainRequest, VocabRequest
 from resources import ComputeResource, PresetResource, StorageResource, TargetResource
 
@@ -28,11 +28,12 @@ def inputs_hash(*paths) -> str:
     return h.hexdigest()
 
 
-def train_settings_hash(preset: PresetResource) -> str:
-    """The preset's resolved training settings. Part of the head's staging key: after an upgrade that
-    changes the recipe (more epochs, feature noise), a killed training starts afresh in a new dir
-    instead of resuming a checkpoint written for other settings, which training refuses."""
-    blob = json.dumps(dataclasses.asdict(preset.area("train")), sort_keys=True, default=str)
+def train_settings_hash(preset: PresetResource, target: TargetResource) -> str:
+    """The head's resolved settings (versions.settings: the training recipe, compute overrides,
+    target). Part of its staging key: after an upgrade that changes the recipe (more epochs, feature
+    noise), a killed training starts afresh in a new dir instead of resuming a checkpoint written for
+    other settings, which training refuses."""
+    blob = json.dumps(settings("draft_head", preset, target), sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -61,7 +62,7 @@ def draft_head(context: AssetExecutionContext, storage: StorageResource, target:
     eval_dirs = fetch_features(storage, target, "eval", context.log)
     vocab = storage.fetch(f"{Keys.VOCAB}/{VOCAB_FILE}")
     # Same inputs + preset and recipe → same staging dir, so a killed training resumes from its checkpoint.
-    key = inputs_hash(vocab, *dirs, *eval_dirs) + train_settings_hash(preset)
+    key = inputs_hash(vocab, *dirs, *eval_dirs) + train_settings_hash(preset, target)
     ckpt = storage.staging(Keys.DRAFT, preset.staging_key(key))
     summary = compute.run(context, TrainRequest(
         target=str(target.dir()), features=[str(d) for d in dirs], out=str(ckpt), preset=preset.name,

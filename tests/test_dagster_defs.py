@@ -112,13 +112,13 @@ def test_head_staging_follows_the_training_recipe(monkeypatch):
 
     from assets.draft import train_settings_hash
     from eagle3_platform.draft import train
-    from resources import PresetResource
+    from resources import PresetResource, TargetResource
 
-    cpu = PresetResource(name="cpu")
-    before = train_settings_hash(cpu)
-    assert train_settings_hash(PresetResource(name="cpu")) == before  # deterministic: resumes
+    cpu, t = PresetResource(name="cpu"), TargetResource(model="tiny-random")
+    before = train_settings_hash(cpu, t)
+    assert train_settings_hash(PresetResource(name="cpu"), t) == before  # deterministic: resumes
     monkeypatch.setitem(train.PRESETS, "cpu", replace(train.PRESETS["cpu"], epochs=7))
-    assert train_settings_hash(cpu) != before
+    assert train_settings_hash(cpu, t) != before
 
 
 def test_every_preset_has_an_acceptance_gate():
