@@ -32,7 +32,8 @@ def _regen_split(context, w: str, split: str, storage, target, preset, compute, 
     kept = storage.fetch(Keys.kept(w, split))
     kept_hash = sha256_file(kept)
     # Staging is keyed by the input's hash: a killed run resumes from its appended output; a changed
-    # input starts fresh.
+    # input starts fresh, and so does output made with another target or settings (an upgrade, a
+    # re-prepared target: it cannot be resumed, and nothing but this step writes there).
     stage = storage.staging(Keys.conversations(w, split), preset.staging_key(kept_hash))
     out, rej = stage / "conversations.jsonl", stage / "rejected.jsonl"
     version = hashlib.sha256(f"{code_version('target_responses', preset, target, continuable=False)}:"
@@ -42,7 +43,7 @@ def _regen_split(context, w: str, split: str, storage, target, preset, compute, 
     summary = compute.run(context, RegenerateRequest(
         target=str(target.dir()), in_path=str(kept), out=str(out), rejected=str(rej), preset=preset.name,
         max_length=target.max_length, endpoint=target.endpoint, time_budget_s=preset.regen_time_budget_s,
-        continue_from=published, **preset.compute()))
+        continue_from=published, replace_stale=True, **preset.compute()))
     check_accounting(summary, "written", f"{w}/{split}")
     summary.setdefault("continued_published", f"no: {why}")
     summary["continue_version"] = version

@@ -228,6 +228,33 @@ def test_a_regeneration_budget_override_reaches_the_stage_and_a_raised_one_takes
     assert m["time_budget_s"] == 3600 and "budget:time" not in str(m.get("by_reason", ""))
 
 
+def test_staging_output_made_with_other_settings_is_replaced_not_refused(tmp_path, tiny_target_dir, instance):
+    """A regeneration killed before an upgrade that changed its settings left output in its staging dir
+    (same prompts and preset, so the same dir). The rerun discards it, says so, and regenerates: it does
+    not fail the step with "written with another target or settings"."""
+    from dataclasses import replace
+
+    from assets.partitions import Keys
+    from eagle3_platform.config import preset
+    from eagle3_platform.data.regenerate import regenerate_file
+    from eagle3_platform.records import read_jsonl, sha256_file
+
+    storage = StorageResource(root=str(tmp_path))
+    res = tiny_resources(storage, tiny_target_dir)
+    run(["filtered_prompts"], res, instance, WORKLOAD)
+    kept = storage.fetch(Keys.kept(WORKLOAD, "train"))
+    stage = storage.staging(Keys.conversations(WORKLOAD, "train"), res["preset"].staging_key(sha256_file(kept)))
+    now = preset("tiny").regen.max_new_tokens
+    regenerate_file(tiny_target_dir, kept, stage / "conversations.jsonl",
+                    replace(preset("tiny").regen, max_new_tokens=now - 1),
+                    rejected_path=stage / "rejected.jsonl", scanner=False)
+    m = meta(run(["target_responses"], res, instance, WORKLOAD), "target_responses")
+    assert f"max_new_tokens {now - 1} -> {now}" in m["discarded_stale"] and "eval_discarded_stale" not in m
+    assert m["resumed"] == 0 and m["written"] + m["rejected"] == m["read"]
+    records = list(read_jsonl(storage.local_path(Keys.conversations(WORKLOAD))))
+    assert len(records) == m["written"] and {r["generation"]["max_new_tokens"] for r in records} == {now}
+
+
 def test_a_raised_regeneration_budget_continues_the_published_responses_and_a_forced_run_starts_afresh(
         tmp_path, tiny_target_dir, instance, answer_clock):
     """Only the budget changed since the partition's last materialization: the step copies the published

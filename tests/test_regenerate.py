@@ -502,6 +502,28 @@ def test_a_run_killed_before_its_first_record_resumes_its_rejections_under_the_s
         regenerate_file(tiny_target_dir, inp, out, cfg, rejected_path=rej, scanner=NoScan())
 
 
+def test_output_of_other_settings_is_replaced_only_when_asked(tiny_target_dir, tmp_path):
+    """A private staging dir (the assets') may hold output made before an upgrade changed the settings:
+    it cannot be resumed. Refused by default (a user's --out); with replace_stale it is discarded, the
+    summary names what differed, and the records are those of a fresh run. A rerun under the same
+    settings then resumes them and discards nothing."""
+    inp = write_prompts(tmp_path / "in.jsonl", mixed_prompts(3))
+    out = tmp_path / "out.jsonl"
+    ref = regenerate_file(tiny_target_dir, inp, tmp_path / "ref.jsonl", TINY, scanner=NoScan())
+    regenerate_file(tiny_target_dir, inp, out, replace(TINY, max_new_tokens=6), scanner=NoScan())
+    old = out.read_bytes()
+    with pytest.raises(ValueError, match=r"out.jsonl was written with .*max_new_tokens 6 -> 8"):
+        regenerate_file(tiny_target_dir, inp, out, TINY, scanner=NoScan())
+    assert out.read_bytes() == old  # refused: nothing touched
+    s = regenerate_file(tiny_target_dir, inp, out, TINY, scanner=NoScan(), replace_stale=True)
+    assert "max_new_tokens 6 -> 8" in s["discarded_stale"] and s["resumed"] == 0
+    assert (s["written"], s["rejected"]) == (ref["written"], ref["rejected"])
+    assert out.read_bytes() == (tmp_path / "ref.jsonl").read_bytes()
+    again = regenerate_file(tiny_target_dir, inp, out, TINY, scanner=NoScan(), replace_stale=True)
+    assert "discarded_stale" not in again and again["resumed"] == again["read"] == ref["read"]
+    assert out.read_bytes() == (tmp_path / "ref.jsonl").read_bytes()
+
+
 # ------------------------------------------------------------------------------------------- CLI
 
 def test_cli_regenerate_and_user_errors(tiny_target_dir, tmp_path, capsys):

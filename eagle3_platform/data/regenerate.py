@@ -12,7 +12,8 @@ Accounting: every input record ends as exactly one ConversationRecord (out) or R
 `read == written + rejected`. Resume: both files are fsynced JSONL appends; a rerun skips ids already in
 either, but only when the records there were made by this run's target (id, weights, template) with its
 generation settings (before the first record, the key the run left beside them, `.key.json`), else it
-refuses (`--restart` discards the old output). Input lines that cannot be
+refuses (`--restart` discards the old output; `replace_stale`, the assets' staging, discards only such
+output, named in the summary). Input lines that cannot be
 records (broken JSON, bad encoding, schema, a repeated id) are rejected while reading, under ids unique
 per line. Local windows (window_batches x batch_size records) are planned over ALL records (done or not) and
 a partially written window is recomputed whole, so a resumed run produces the very same tokens as an
@@ -355,12 +356,15 @@ class Published:
 
 def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "demo", endpoint: str | None = None,
                     rejected_path=None, scanner=None, api_key: str | None = None, restart: bool = False,
-                    continue_from: Published | None = None) -> dict:
+                    continue_from: Published | None = None, replace_stale: bool = False) -> dict:
     """Regenerate every kept prompt record in `in_path` into ConversationRecords in `out_path`.
 
     scanner: None = the default PiiScanner, False = do not scan responses, or any object with
     `.scan(text)` returning findings with `.entity_type` (and `.is_secret` for secrets).
     restart: discard what `out_path`/`rejected_path` hold instead of resuming from it.
+    replace_stale: discard what they hold only where it was made with another target or settings
+    (named in the summary's `discarded_stale`), instead of refusing it: for a private staging dir (the
+    assets'), whose old output cannot be resumed after an upgrade, a new target or another dtype.
     continue_from: where out_path and rejected_path do not exist yet, start from this published output
     (copied, never changed) if it was made under this run's resume key; else start fresh.
     Returns the summary: read, written, rejected, by_reason, resumed, new_tokens, tok_per_s, ...
@@ -389,7 +393,7 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
     if endpoint:
         gen["endpoint"] = _public_url(endpoint)
     key = resume_key(meta, tok, gen)
-    check_resume_key(out_path, rejected_path, key, restart)
+    stale = check_resume_key(out_path, rejected_path, key, restart, replace_stale)
     write_json_atomic(key_path(out_path), key, sort_keys=True)
     continued = "no: resumed its own output" if continue_from is not None else None
     if not (out_path.exists() or rejected_path.exists()):  # restarted, or the output moved on (published)
@@ -439,6 +443,8 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
         summary.update(deferred_retried=retried, cut_retried=recut)
     if continued is not None:
         summary["continued_published"] = continued
+    if stale:
+        summary["discarded_stale"] = stale
     if not summary["written"]:
         raise ValueError(f"0 of {summary['read']} records written to {out_path}"
                          + (f" ({top_reasons(summary['by_reason'])}; see {rejected_path})" if summary["read"]
@@ -501,30 +507,43 @@ def take_published(src: Published, out_path: Path, rejected_path: Path, key: dic
     return f"{n} records"
 
 
-def check_resume_key(out_path: Path, rejected_path: Path, key: dict, restart: bool) -> None:
+def check_resume_key(out_path: Path, rejected_path: Path, key: dict, restart: bool,
+                     replace_stale: bool = False) -> str | None:
     """Resume only output written with the same target and settings; refuse any other with one line naming
-    what differs (it would mix two targets' answers under this run's summary). restart: start fresh."""
+    what differs (it would mix two targets' answers under this run's summary). restart: start fresh.
+    replace_stale: discard such output instead (logged) and return why; else None."""
     if restart:
         out_path.unlink(missing_ok=True)
         rejected_path.unlink(missing_ok=True)
+    why = stale_reason(out_path, rejected_path, key)
+    if why is None:
+        return None
+    if not replace_stale:
+        raise ValueError(f"{why}; use a fresh --out, or --restart to discard it")
+    print(f"[regenerate] discarding {why}; starting afresh", file=sys.stderr, flush=True)
+    out_path.unlink(missing_ok=True)
+    rejected_path.unlink(missing_ok=True)
+    return why
+
+
+def stale_reason(out_path: Path, rejected_path: Path, key: dict) -> str | None:
+    """Why the output in out_path/rejected_path cannot be resumed under `key` ("<path> was written with
+    <what differs>"), or None when it can (or there is none)."""
     diff = resume_key_diff(out_path, key)
     if diff:
-        raise ValueError(f"{out_path} was written with another target or settings ({'; '.join(diff)}); "
-                         "use a fresh --out, or --restart to discard it")
+        return f"{out_path} was written with another target or settings ({'; '.join(diff)})"
     if diff is not None or not rejected_path.exists() or not any(
             r.get("line") is None and r.get("reason") != DEFERRED
             for r in read_jsonl(rejected_path, tolerate_torn_tail=True)):
-        return
+        return None
     # no record yet, but rejections made while generating (too long, PII in an answer), which depend on
     # target and settings: checked against the key the run that made them left beside out_path
     old = read_key(key_path(out_path))
     if old is None:
-        raise ValueError(f"{rejected_path} holds rejections from an earlier run whose target and settings "
-                         "cannot be checked; use a fresh --out, or --restart to discard them")
+        return (f"{rejected_path} holds rejections from an earlier run whose target and settings cannot be "
+                "checked")
     diff = key_diff(old, key)
-    if diff:
-        raise ValueError(f"{rejected_path} was written with another target or settings ({'; '.join(diff)}); "
-                         "use a fresh --out, or --restart to discard it")
+    return f"{rejected_path} was written with another target or settings ({'; '.join(diff)})" if diff else None
 
 
 def read_key(path: Path) -> dict | None:

@@ -69,6 +69,7 @@ class RegenerateRequest(ComputeRequest):
     api_key: str | None = Field(default=None, repr=False)
     scan_responses: bool = True
     restart: bool = False  # discard what out/rejected hold instead of resuming
+    replace_stale: bool = False  # discard it only where made with another target or settings (staging dirs)
     continue_from: PublishedResponses | None = None  # where out and rejected do not exist yet
 
 
@@ -142,7 +143,8 @@ def run_regenerate(req: RegenerateRequest) -> dict:
                     "--rejected": req.rejected or default_rejected_path(req.out)})
     return regenerate_file(req.target, req.in_path, req.out, regen_config(req), endpoint=req.endpoint,
                            rejected_path=req.rejected, scanner=None if req.scan_responses else False,
-                           api_key=req.api_key, restart=req.restart, continue_from=published(req.continue_from))
+                           api_key=req.api_key, restart=req.restart, continue_from=published(req.continue_from),
+                           replace_stale=req.replace_stale)
 
 
 def published(src: PublishedResponses | None):
