@@ -286,7 +286,8 @@ def test_auto_extraction_runs_the_target_in_the_dtype_dense_work_pays_for(tiny_t
     monkeypatch.setattr(compute, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
     monkeypatch.setattr(compute, "dense_bf16_speedup", lambda: speedup)
     conv = _write_conv(tmp_path / "conv.jsonl", _conversations(tiny_target, 3))
-    s = extract_file(tiny_target_dir, conv, tmp_path / "out", replace(TINY, target_dtype="auto"))
+    # on the CPU: a GPU machine would pick CUDA, where auto is bf16 whatever the CPU's flags
+    s = extract_file(tiny_target_dir, conv, tmp_path / "out", replace(TINY, target_dtype="auto", device="cpu"))
     assert s["samples"] == 3
     assert read_header(tmp_path / "out" / shard_name(0))["compute_dtype"] == want
 
@@ -359,7 +360,8 @@ def _extract_cmd(target_dir, conv, out) -> list[str]:
 
 def _env() -> dict:
     # same thread count in every run so the kernels (and thus the bytes) are reproducible
-    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
 
 
 @pytest.mark.integration
