@@ -248,3 +248,55 @@ def test_feature_noise_trains_otherwise_and_resumes_exactly(tiny_target_dir, tmp
     c = load_file(str(tmp_path / "crashed" / "draft.safetensors"))
     for k in a:
         torch.testing.assert_close(c[k], a[k], atol=1e-6, rtol=1e-5, msg=k)
+
+
+def test_train_device_resolution(monkeypatch):
+    assert train_mod.train_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert train_mod.train_device("auto") == torch.device("cpu")
+    with pytest.raises(ValueError, match="no CUDA device"):
+        train_mod.train_device("cuda")
+    with pytest.raises(ValueError, match="expected auto, cpu or cuda"):
+        train_mod.train_device("mps")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("LOCAL_RANK", "1")  # a torchrun rank: one GPU per process
+    assert train_mod.train_device("auto") == torch.device("cuda", 1)
+    assert train_mod.train_device("cuda:0") == torch.device("cuda", 0)
+
+
+def _relative_gap(a: dict, b: dict) -> float:
+    """The largest ||a[k] - b[k]|| / ||a[k]|| over the float tensors of two weight files."""
+    return max(float((a[k].float() - b[k].float()).norm() / a[k].float().norm().clamp(min=1e-12))
+               for k in a if a[k].is_floating_point())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="trains on a CUDA device: run on a GPU machine")
+def test_cuda_training_matches_the_cpu_and_resumes_across_devices(tiny_target_dir, tmp_path, monkeypatch):
+    """fp32 on CUDA ends within rounding of the CPU run's weights (other kernels, same arithmetic); a run
+    crashed on CUDA resumes on the CPU (checkpoints hold CPU tensors) and ends there too; `auto` trains
+    in bf16 on the GPU."""
+    feats = target_features(tiny_target_dir, tmp_path / "f", n_samples=6, seed=0)
+    cfg = replace(PRESETS["tiny"], epochs=6, num_threads=1, ckpt_every=2)
+    cpu = train(tiny_target_dir, [str(feats)], tmp_path / "cpu", replace(cfg, device="cpu"))
+    gpu = train(tiny_target_dir, [str(feats)], tmp_path / "gpu", replace(cfg, device="cuda"))
+    assert (cpu["device"], gpu["device"]) == ("cpu", "cuda") and cpu["steps"] == gpu["steps"] >= 4
+    ref = load_file(str(tmp_path / "cpu" / "draft.safetensors"))
+    assert _relative_gap(ref, load_file(str(tmp_path / "gpu" / "draft.safetensors"))) < 1e-3
+
+    real = train_mod._train_step
+
+    def crash_at_3(*args, **kw):
+        if args[-1] == 3:  # step 3: after the checkpoint of step 2
+            raise RuntimeError("simulated crash")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(train_mod, "_train_step", crash_at_3)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train(tiny_target_dir, [str(feats)], tmp_path / "moved", replace(cfg, device="cuda"))
+    monkeypatch.setattr(train_mod, "_train_step", real)
+    resumed = train(tiny_target_dir, [str(feats)], tmp_path / "moved", replace(cfg, device="cpu"), resume=True)
+    assert resumed["resumed_from"] == 2 and resumed["device"] == "cpu"
+    assert _relative_gap(ref, load_file(str(tmp_path / "moved" / "draft.safetensors"))) < 1e-3
+
+    bf16 = train(tiny_target_dir, [str(feats)], tmp_path / "bf16", replace(cfg, device="cuda", dtype="auto"))
+    assert bf16["compute_dtype"] == "bfloat16" and bf16["steps"] == cpu["steps"]

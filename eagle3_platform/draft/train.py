@@ -6,8 +6,11 @@ Determinism (what makes `--resume` end with the same weights as an uninterrupted
 - the learning rate is a pure function of step (no scheduler object to restore);
 - checkpoints hold the head weights, AdamW moments and step counts, and the torch RNG state, all as
   safetensors (+ JSON scalars) — no pickle; written to a tmp dir and renamed (atomic).
+Device: `TrainConfig.device` ("auto" = CUDA where torch sees a GPU, else the CPU; a rank of a multi-GPU
+torchrun takes cuda:LOCAL_RANK). Batches are collated on the CPU and moved; checkpoints and outputs are
+written from CPU copies, so a run resumes on either device.
 Multi-process: torchrun (env WORLD_SIZE/RANK) or an already-initialised process group → DDP (gloo on
-CPU). Every rank takes samples rank::world of the same global batch; the loss is normalised by the
+CPU, NCCL on CUDA). Every rank takes samples rank::world of the same global batch; the loss is normalised by the
 global count of supervised positions, so 2 processes compute the 1-process gradient of that batch.
     torchrun --standalone --nproc_per_node 2 --local-ranks-filter 0 -m eagle3_platform.cli train ...
 (every rank returns the same summary; the filter keeps the console to one JSON line).
@@ -78,6 +81,7 @@ class TrainConfig:
     # three layers' scales differ ~10x). A data-starved head memorises its few samples; noise makes
     # every epoch see other features. Seeded per step, so a resumed run draws the same noise. 0 = off.
     feature_noise: float = 0.0
+    device: str = "auto"               # "auto" = cuda when available, else cpu (train_device)
 
     def __post_init__(self):
         if self.supervise not in SUPERVISE:
@@ -87,6 +91,7 @@ class TrainConfig:
 
 
 SUPERVISE = ("response", "all")
+RUN_PLACEMENT = ("num_threads", "device")  # where a run computes, not what: a resume may change them
 # TrainConfig fields added after checkpoints were already being written, with the value those
 # checkpoints trained with: a resume across the upgrade matches on it instead of refusing
 LATER_SETTINGS = {"supervise": "response", "feature_noise": 0.0}
@@ -123,11 +128,27 @@ PRESETS: dict[str, TrainConfig] = {
 }
 
 
-# ---- distributed ---------------------------------------------------------------------------------
-def dist_setup() -> tuple[int, int]:
-    """(rank, world). Initialises gloo from torchrun's env when needed."""
+# ---- device + distributed ------------------------------------------------------------------------
+def train_device(setting: str) -> torch.device:
+    """'auto' | 'cpu' | 'cuda' | 'cuda:N' -> the device this process trains on: 'auto' is CUDA where
+    torch sees a GPU, and a torchrun rank on CUDA takes cuda:LOCAL_RANK (one GPU per process)."""
+    name = ("cuda" if torch.cuda.is_available() else "cpu") if setting == "auto" else setting
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"train device {setting!r}: torch sees no CUDA device here")
+        if device.index is None:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    elif device.type != "cpu":
+        raise ValueError(f"train device {setting!r}: expected auto, cpu or cuda[:N]")
+    return device
+
+
+def dist_setup(device: torch.device = torch.device("cpu")) -> tuple[int, int]:
+    """(rank, world). Initialises the process group from torchrun's env when needed: NCCL for CUDA
+    ranks, gloo on CPU."""
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -201,11 +222,11 @@ def save_checkpoint(out_dir: Path, draft: Eagle3Draft, opt: torch.optim.Optimize
     tmp, final, old = out_dir / (CKPT + ".tmp"), out_dir / CKPT, out_dir / (CKPT + ".old")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file(draft.head_state_dict(), str(tmp / "model.safetensors"))
+    save_file(cpu_copy(draft.head_state_dict()), str(tmp / "model.safetensors"))
     optim = {"rng.torch": torch.get_rng_state()}
     for n, p in named_trainable(draft):
         for key, val in opt.state.get(p, {}).items():   # exp_avg, exp_avg_sq, step
-            optim[f"{n}.{key}"] = val.detach().clone().reshape(val.shape).contiguous()
+            optim[f"{n}.{key}"] = val.detach().cpu().clone().reshape(val.shape).contiguous()
     save_file(optim, str(tmp / "optim.safetensors"))
     (tmp / "state.json").write_text(json.dumps(state, indent=2))
     if final.exists():
@@ -213,6 +234,11 @@ def save_checkpoint(out_dir: Path, draft: Eagle3Draft, opt: torch.optim.Optimize
         os.replace(final, old)
     os.replace(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def cpu_copy(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What safetensors writes: every tensor on the CPU (a no-op for CPU tensors)."""
+    return {k: v.detach().cpu() for k, v in tensors.items()}
 
 
 def find_checkpoint(out_dir: Path) -> Path | None:
@@ -227,7 +253,9 @@ def load_checkpoint(path: Path, draft: Eagle3Draft, opt: torch.optim.Optimizer) 
     optim = load_file(str(path / "optim.safetensors"))
     torch.set_rng_state(optim.pop("rng.torch"))
     for n, p in named_trainable(draft):
-        st = {k.split(".")[-1]: v for k, v in optim.items() if k.rsplit(".", 1)[0] == n}
+        # moments on the parameter's device; AdamW keeps its step count on the CPU (not capturable)
+        st = {k.split(".")[-1]: v if k.endswith(".step") else v.to(p.device)
+              for k, v in optim.items() if k.rsplit(".", 1)[0] == n}
         if st:
             opt.state[p] = st
     return json.loads((path / "state.json").read_text())
@@ -266,21 +294,21 @@ def evaluate(draft: Eagle3Draft, ds, indices: list[int], lm_head: torch.Tensor, 
     draft's argmax to be the target's top-1, so positions whose target top-1 lies outside the draft vocab
     count as misses — as they are at inference. acc_in_vocab_k is the training-loss view (those
     positions excluded). simulated_acceptance uses acc_k."""
-    K = cfg.ttt_steps
+    K, device = cfg.ttt_steps, lm_head.device
     loss_fn = TTTLoss(draft, K)
     correct, counted, counted_iv = (torch.zeros(K, dtype=torch.int64) for _ in range(3))
     loss_sum, n_batches = 0.0, 0
     lengths = [len(ds[i]["input_ids"]) for i in indices]
     for chunk in batch_plan(lengths, replace(cfg, epochs=1, max_steps=None)):
-        batch = collate([ds[indices[i]] for i in chunk], cfg.max_len)
+        batch = collate([ds[indices[i]] for i in chunk], cfg.max_len).to(device)
         tprobs, masks = batch_targets(batch, lm_head, draft, K)
         all_resp = step_masks(batch.loss_mask, torch.ones_like(batch.loss_mask), K)
         denom = torch.stack([m.sum() for m in masks])
-        with autocast(cfg.dtype):
+        with autocast(cfg.dtype, device.type):
             loss, c, n = loss_fn(batch.aux_hidden, batch.input_ids, tprobs, masks, denom)
-        correct += c
-        counted_iv += n
-        counted += torch.stack([m.sum() for m in all_resp])
+        correct += c.cpu()
+        counted_iv += n.cpu()
+        counted += torch.stack([m.sum() for m in all_resp]).cpu()
         loss_sum, n_batches = loss_sum + float(loss), n_batches + 1
     acc = [float(c) / max(1, int(n)) for c, n in zip(correct, counted)]
     return {"acc": acc, "acc_in_vocab": [float(c) / max(1, int(n)) for c, n in zip(correct, counted_iv)],
@@ -294,8 +322,10 @@ def _log(msg: str) -> None:
     print(f"[train] {msg}", file=sys.stderr, flush=True)
 
 
-def prepare(target_dir, feature_dirs, out_dir: Path, cfg: TrainConfig, vocab_path, rank: int):
-    """Datasets, vocab, draft model (seeded init), frozen target lm_head."""
+def prepare(target_dir, feature_dirs, out_dir: Path, cfg: TrainConfig, vocab_path, rank: int,
+            device: torch.device = torch.device("cpu")):
+    """Datasets, vocab, draft model (seeded init on the CPU, then moved), frozen target lm_head, both
+    on `device`."""
     from eagle3_platform.features.shards import ShardDataset
     from eagle3_platform.target import identity
 
@@ -311,8 +341,8 @@ def prepare(target_dir, feature_dirs, out_dir: Path, cfg: TrainConfig, vocab_pat
             save_vocab(out_dir / VOCAB, d2t, t2d, vstats)
     dcfg = DraftConfig.from_target(hf, d2t.numel(), expect["capture_layer_ids"])
     torch.manual_seed(cfg.seed)
-    draft = build_draft(target_dir, dcfg, cfg.init_from_target, d2t, t2d)
-    lm_head = target_head_weights(target_dir)["lm_head"].float()   # [V,H] frozen teacher head
+    draft = build_draft(target_dir, dcfg, cfg.init_from_target, d2t, t2d).to(device)
+    lm_head = target_head_weights(target_dir)["lm_head"].float().to(device)   # [V,H] frozen teacher head
     return ds, draft, lm_head, vstats, expect
 
 
@@ -327,9 +357,12 @@ def train(target_dir, feature_dirs, out_dir, cfg: TrainConfig, resume: bool = Fa
     if not feature_dirs:
         raise ValueError("no feature dirs given")
     set_threads(cfg.num_threads or 0)
-    rank, world = dist_setup()
+    device = train_device(cfg.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    rank, world = dist_setup(device)
     out_dir.mkdir(parents=True, exist_ok=True)
-    ds, draft, lm_head, vstats, expect = prepare(target_dir, feature_dirs, out_dir, cfg, vocab_path, rank)
+    ds, draft, lm_head, vstats, expect = prepare(target_dir, feature_dirs, out_dir, cfg, vocab_path, rank, device)
     plan = batch_plan(ds.sample_lengths(), cfg)
     total = len(plan)
     if not total:  # 0 steps would write an untrained head and report success
@@ -337,16 +370,17 @@ def train(target_dir, feature_dirs, out_dir, cfg: TrainConfig, resume: bool = Fa
                          f"optimizer steps (epochs={cfg.epochs}, max_steps={cfg.max_steps})")
     params = [p for _, p in named_trainable(draft)]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-    # what determines the weights (thread count does not: it may change, and resume still works)
+    # what determines the weights (thread count and device do not: they may change, and resume still works)
     fingerprint = {"feature_dirs": feature_dirs, "samples": len(ds), "data_sha256": ds.content_sha256(),
-                   "train": {k: v for k, v in _cfg_dict(cfg).items() if k != "num_threads"},
+                   "train": {k: v for k, v in _cfg_dict(cfg).items() if k not in RUN_PLACEMENT},
                    "target": expect, "total_steps": total}
     start, history = _maybe_resume(out_dir, resume, draft, opt, fingerprint)
     # resolved after the fingerprint: `auto` stays the setting (a resumed run may compute otherwise)
-    run_cfg = replace(cfg, dtype=resolve_dtype(cfg.dtype, work="dense"))
+    run_cfg = replace(cfg, dtype=resolve_dtype(cfg.dtype, device.type, work="dense"))
     top1 = TargetTop1(lm_head.to(getattr(torch, run_cfg.dtype)))  # cast once, not per teacher matmul
     model = TTTLoss(draft, cfg.ttt_steps)
-    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    ddp = model if world == 1 else torch.nn.parallel.DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None)
     K, t0, tokens = cfg.ttt_steps, time.time(), 0
     acc_c, acc_n, loss_acc, n_acc = torch.zeros(K), torch.zeros(K), 0.0, 0
     bar = tqdm(range(start, total), desc="train", file=sys.stderr, disable=rank != 0, initial=start,
@@ -373,7 +407,7 @@ def train(target_dir, feature_dirs, out_dir, cfg: TrainConfig, resume: bool = Fa
     wall = time.time() - t0
     summary = {"out_dir": str(out_dir), "steps": total, "resumed_from": start, "world_size": world,
                "train_tokens": tokens, "train_tokens_per_s": tokens / wall if wall and tokens else None,
-               "vocab": vstats, "history": history, "compute_dtype": run_cfg.dtype}
+               "vocab": vstats, "history": history, "compute_dtype": run_cfg.dtype, "device": device.type}
     if rank == 0:
         summary.update(_final_eval(draft, ds, eval_dirs, expect, lm_head, run_cfg))
         _write_outputs(out_dir, draft, cfg, expect, feature_dirs, summary)
@@ -391,10 +425,11 @@ def _train_step(ddp, opt, params, ds, batch_idx, top1: TargetTop1, draft, cfg: T
     K = cfg.ttt_steps
     local = batch_idx[rank::world]
     samples = local or batch_idx[:1]
-    batch = collate([ds[i] for i in samples], cfg.max_len)
+    device = top1.lm_head.device
+    batch = collate([ds[i] for i in samples], cfg.max_len).to(device)
     if cfg.supervise == "all":
         batch = replace(batch, loss_mask=real_positions(batch))
-    with autocast(cfg.dtype):  # the teacher's matmuls too; its softmax is fp32 (ttt.teacher)
+    with autocast(cfg.dtype, device.type):  # the teacher's matmuls too; its softmax is fp32 (ttt.teacher)
         tprobs, masks = batch_targets(batch, top1.lm_head, draft, K, (top1, samples))
     if not local:  # more ranks than samples: a zero-weight stand-in keeps DDP's collectives aligned
         masks = [torch.zeros_like(m) for m in masks]
@@ -405,23 +440,24 @@ def _train_step(ddp, opt, params, ds, batch_idx, top1: TargetTop1, draft, cfg: T
     if cfg.feature_noise:  # after the teacher: it reads last_hidden, never the noisy features
         aux = noisy_features(aux, draft.cfg.hidden_size, cfg.feature_noise,
                              cfg.seed * 1_000_003 + step * 97 + rank)
-    with autocast(cfg.dtype):
+    with autocast(cfg.dtype, device.type):
         loss, c, n = ddp(aux, batch.input_ids, tprobs, masks, denom, float(world))
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
     opt.step()
     stats = all_sum(torch.cat([loss.detach().reshape(1) / world, c.float(), n.float()]))
-    return stats, int(all_sum(batch.lengths.sum() if local else torch.tensor(0)))
+    return stats.cpu(), int(all_sum(batch.lengths.sum() if local else torch.tensor(0, device=device)))
 
 
 def noisy_features(aux: torch.Tensor, H: int, a: float, seed: int) -> torch.Tensor:
     """aux [B,T,L·H] (L layers' features of width H side by side) -> aux + U(-a, a)·rms, rms per
-    position and layer [B,T,L,1]; padding rows (all zero) stay zero."""
+    position and layer [B,T,L,1]; padding rows (all zero) stay zero. Drawn on aux's device (CPU and
+    CUDA generators draw other streams: a run resumed on another device trains on other noise)."""
     B, T, LH = aux.shape
     x = aux.float().view(B, T, LH // H, H)                           # [B,T,L,H]
     rms = x.pow(2).mean(-1, keepdim=True).sqrt()                     # [B,T,L,1]
-    u = torch.rand(x.shape, generator=torch.Generator().manual_seed(seed)) * 2 - 1
+    u = torch.rand(x.shape, generator=torch.Generator(x.device).manual_seed(seed), device=x.device) * 2 - 1
     return (x + a * rms * u).view(B, T, LH).to(aux.dtype)
 
 
@@ -448,7 +484,7 @@ def save_draft_dir(out_dir, draft: Eagle3Draft, meta: dict | None = None) -> Pat
     """draft.safetensors (head weights + d2t/t2d) + draft_config.json ({"draft": DraftConfig, ...meta})."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write(out_dir / DRAFT_WEIGHTS, lambda p: save_file(draft.head_state_dict(), str(p)))
+    atomic_write(out_dir / DRAFT_WEIGHTS, lambda p: save_file(cpu_copy(draft.head_state_dict()), str(p)))
     write_json_atomic(out_dir / DRAFT_CONFIG, {"draft": draft.cfg.to_dict(), **(meta or {})}, indent=2)
     return out_dir
 

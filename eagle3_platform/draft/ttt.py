@@ -44,6 +44,10 @@ class Batch:
     last_hidden: torch.Tensor  # [B,T,H]
     lengths: torch.Tensor      # [B]
 
+    def to(self, device) -> "Batch":
+        return Batch(*(x.to(device, non_blocking=True) for x in (self.input_ids, self.loss_mask, self.aux_hidden,
+                                                                  self.last_hidden, self.lengths)))
+
 
 def collate(samples: Sequence[dict], max_len: int | None = None) -> Batch:
     """Right-pad samples (ShardDataset items) into a batch; truncate each to max_len tokens.
@@ -63,7 +67,7 @@ def collate(samples: Sequence[dict], max_len: int | None = None) -> Batch:
 
 def real_positions(batch: Batch) -> torch.Tensor:
     """[B,T] bool: True on every real (unpadded) position — the loss mask that supervises prompt tokens too."""
-    return torch.arange(batch.input_ids.shape[1])[None, :] < batch.lengths[:, None]
+    return torch.arange(batch.input_ids.shape[1], device=batch.lengths.device)[None, :] < batch.lengths[:, None]
 
 
 @torch.no_grad()
@@ -85,17 +89,18 @@ def teacher(last_hidden: torch.Tensor, target_lm_head: torch.Tensor, draft_to_ta
     top1 [B,T] int64: the target's top-1 at the needed rows, known already (TargetTop1); then only the
     lm_head's Vd rows are multiplied, not all V (Vd 8192 of SmolLM2's 49152: 1/6 of the work)."""
     B, T, H = last_hidden.shape
-    rows = (need.reshape(-1) if need is not None else torch.ones(B * T, dtype=torch.bool)).nonzero()[:, 0]
+    dev = last_hidden.device
+    rows = (need.reshape(-1) if need is not None else torch.ones(B * T, dtype=torch.bool, device=dev)).nonzero()[:, 0]
     flat = last_hidden.reshape(-1, H)[rows].to(target_lm_head.dtype)  # [n,H]
     top = target_top1(flat, target_lm_head) if top1 is None else top1.reshape(-1)[rows]  # [n]
     if top.numel() and int(top.min()) < 0:
         raise ValueError("top1 lacks a needed position's target top-1")
-    in_vocab = torch.zeros(target_lm_head.shape[0], dtype=torch.bool)  # [V]
+    in_vocab = torch.zeros(target_lm_head.shape[0], dtype=torch.bool, device=dev)  # [V]
     in_vocab[draft_to_target] = True
-    ok = torch.zeros(B * T, dtype=torch.bool)
+    ok = torch.zeros(B * T, dtype=torch.bool, device=dev)
     ok[rows] = in_vocab[top]
     W = target_lm_head[draft_to_target]                               # [Vd,H]
-    probs = torch.zeros(B * T, draft_to_target.numel())
+    probs = torch.zeros(B * T, draft_to_target.numel(), device=dev)
     for i in range(0, flat.shape[0], TEACHER_CHUNK):
         z = flat[i:i + TEACHER_CHUNK] @ W.T                           # [c,Vd]
         probs[rows[i:i + TEACHER_CHUNK]] = torch.softmax(z, -1, dtype=torch.float32)  # renormalised over Vd
@@ -115,10 +120,10 @@ class TargetTop1:
 
     def batch(self, batch: "Batch", samples: Sequence[int], need: torch.Tensor) -> torch.Tensor:
         """batch rows = the given samples, need [B,T] bool -> [B,T] int64 top-1 ids (-1 elsewhere)."""
-        out = torch.full(need.shape, -1, dtype=torch.int64)
+        out = torch.full(need.shape, -1, dtype=torch.int64, device=need.device)
         for row, s in enumerate(samples):
             n = int(batch.lengths[row])
-            top = self.ids.get(s, torch.full((n,), -1, dtype=torch.int32))
+            top = self.ids.get(s, torch.full((n,), -1, dtype=torch.int32, device=need.device))
             missing = need[row, :n] & (top < 0)
             if missing.any():
                 top = top.clone()
@@ -167,7 +172,7 @@ def step_masks(loss_mask: torch.Tensor, in_vocab: torch.Tensor, K: int) -> list[
     B, T = loss_mask.shape
     out = []
     for k in range(K):
-        m = torch.zeros(B, T, dtype=torch.bool)
+        m = torch.zeros(B, T, dtype=torch.bool, device=loss_mask.device)
         n = T - 2 - k
         if n > 0:
             m[:, :n] = loss_mask[:, 2 + k:2 + k + n] & in_vocab[:, 1 + k:1 + k + n]
@@ -236,7 +241,7 @@ def naive_ttt_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.
     T, n = q.shape[2], len(ks)
     K = torch.cat(ks, dim=2)                                          # [B,nh,(k+1)T,hd]
     Vv = torch.cat(vs, dim=2)
-    allowed = torch.zeros(T, n * T, dtype=torch.bool)
+    allowed = torch.zeros(T, n * T, dtype=torch.bool, device=q.device)
     for t in range(T):
         allowed[t, :t + 1] = True                                     # step 0: positions ≤ t
         for j in range(1, n):
@@ -312,7 +317,7 @@ def batch_targets(batch: Batch, target_lm_head: torch.Tensor, draft: Eagle3Draft
                   top1: tuple[TargetTop1, Sequence[int]] | None = None):
     """Teacher probs [B,T,Vd] and per-step supervision masks for a batch.
     top1: (cache, the batch's sample ids): the target's top-1s from the cache (TargetTop1)."""
-    d2t_ids = draft.to_target_ids(torch.arange(draft.cfg.draft_vocab_size))
+    d2t_ids = draft.to_target_ids(torch.arange(draft.cfg.draft_vocab_size, device=draft.d2t.device))
     # the teacher of position p is used only when x_{p+1} is a response token (step_masks)
     need = shift_left(batch.loss_mask, 1, fill=False)
     known = top1[0].batch(batch, top1[1], need) if top1 else None
