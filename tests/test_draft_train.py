@@ -220,6 +220,19 @@ def test_feature_noise_is_bounded_per_layer_and_seeded():
         TrainConfig(feature_noise=-0.1)
 
 
+def crash_at_step(monkeypatch, step: int):
+    """Training raises at optimizer step `step` until the returned real step function is put back."""
+    real = train_mod._train_step
+
+    def crash(*args, **kw):
+        if args[-1] == step:
+            raise RuntimeError("simulated crash")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(train_mod, "_train_step", crash)
+    return real
+
+
 def test_feature_noise_trains_otherwise_and_resumes_exactly(tiny_target_dir, tmp_path, monkeypatch):
     """Noise changes what the head learns; a run stopped by a crash and resumed draws the same noise
     per step as an uninterrupted one, so it ends with the same weights."""
@@ -232,14 +245,7 @@ def test_feature_noise_trains_otherwise_and_resumes_exactly(tiny_target_dir, tmp
     b = load_file(str(tmp_path / "plain" / "draft.safetensors"))
     assert any(not torch.allclose(a[k], b[k], atol=1e-4) for k in a)
 
-    real = train_mod._train_step
-
-    def crash_at_3(*args, **kw):
-        if args[-1] == 3:  # step 3: after the checkpoint of step 2
-            raise RuntimeError("simulated crash")
-        return real(*args, **kw)
-
-    monkeypatch.setattr(train_mod, "_train_step", crash_at_3)
+    real = crash_at_step(monkeypatch, 3)  # step 3: after the checkpoint of step 2
     with pytest.raises(RuntimeError, match="simulated crash"):
         train(tiny_target_dir, [str(feats)], tmp_path / "crashed", cfg)
     monkeypatch.setattr(train_mod, "_train_step", real)
@@ -283,14 +289,7 @@ def test_cuda_training_matches_the_cpu_and_resumes_across_devices(tiny_target_di
     ref = load_file(str(tmp_path / "cpu" / "draft.safetensors"))
     assert _relative_gap(ref, load_file(str(tmp_path / "gpu" / "draft.safetensors"))) < 1e-3
 
-    real = train_mod._train_step
-
-    def crash_at_3(*args, **kw):
-        if args[-1] == 3:  # step 3: after the checkpoint of step 2
-            raise RuntimeError("simulated crash")
-        return real(*args, **kw)
-
-    monkeypatch.setattr(train_mod, "_train_step", crash_at_3)
+    real = crash_at_step(monkeypatch, 3)  # step 3: after the checkpoint of step 2
     with pytest.raises(RuntimeError, match="simulated crash"):
         train(tiny_target_dir, [str(feats)], tmp_path / "moved", replace(cfg, device="cuda"))
     monkeypatch.setattr(train_mod, "_train_step", real)
