@@ -262,8 +262,9 @@ def test_train_device_resolution(monkeypatch):
     assert train_mod.train_device("auto") == torch.device("cpu")
     with pytest.raises(ValueError, match="no CUDA device"):
         train_mod.train_device("cuda")
-    with pytest.raises(ValueError, match="expected auto, cpu or cuda"):
-        train_mod.train_device("mps")
+    for bad in ("mps", "gpu0"):  # another device type; not a device at all
+        with pytest.raises(ValueError, match="expected auto, cpu or cuda"):
+            train_mod.train_device(bad)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv("LOCAL_RANK", "1")  # a torchrun rank: one GPU per process
     assert train_mod.train_device("auto") == torch.device("cuda", 1)

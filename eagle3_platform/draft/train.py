@@ -133,14 +133,17 @@ def train_device(setting: str) -> torch.device:
     """'auto' | 'cpu' | 'cuda' | 'cuda:N' -> the device this process trains on: 'auto' is CUDA where
     torch sees a GPU, and a torchrun rank on CUDA takes cuda:LOCAL_RANK (one GPU per process)."""
     name = ("cuda" if torch.cuda.is_available() else "cpu") if setting == "auto" else setting
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:  # not a device string at all
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"train device {setting!r}: expected auto, cpu or cuda[:N]")
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"train device {setting!r}: torch sees no CUDA device here")
         if device.index is None:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    elif device.type != "cpu":
-        raise ValueError(f"train device {setting!r}: expected auto, cpu or cuda[:N]")
     return device
 
 
