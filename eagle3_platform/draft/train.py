@@ -117,7 +117,9 @@ PRESETS: dict[str, TrainConfig] = {
     # steps (~9 min; the top-1 cache saves ~5 of them back) in a run of ~68 min (sessions 34-35)
     # feature_noise 0.2: at 100k of those tokens (324 steps, 60 held-out prompts) held-out simulated
     # acceptance 1.333 -> 1.349, tau chain 1.317 -> 1.337, every workload up; 0.5 gave 1.340 / 1.329
-    # (session 36, scripts/bench_scaling.py --overrides)
+    # (session 36, scripts/bench_scaling.py --overrides). On all 243k tokens (801 steps) it was neutral:
+    # held-out 1.450 with and without, tau chain 1.40 vs 1.38, tree 1.67 vs 1.69 (24 MT-bench prompts,
+    # session 37); kept, as it helps where a run gathers less data
     "cpu": TrainConfig(ttt_steps=2, draft_vocab_size=8192, lr=1e-3, warmup_ratio=0.03,
                        batch_tokens=4096, max_len=2048, epochs=6, ckpt_every=20, log_every=10,
                        eval_samples=128, feature_noise=0.2),
