@@ -1,14 +1,13 @@
 """`draft_vocab` (top-Vd response tokens → d2t/t2d) and `draft_head` (EAGLE-3 TTT training from the
 feature shards of every available workload, scored on held-out features, then the SGLang export)."""
 import hashlib
-import json
 
 from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
 
 from assets.features import feature_shards, features_for
 from assets.metadata import summary_metadata
 from assets.partitions import Keys
-from assets.versions import settings
+from assets.versions import settings_blob
 from eagle3_platform.draft.stages import ExportRequest, TrainRequest, VocabRequest
 from resources import ComputeResource, PresetResource, StorageResource, TargetResource
 
@@ -33,8 +32,7 @@ def train_settings_hash(preset: PresetResource, target: TargetResource) -> str:
     target). Part of its staging key: after an upgrade that changes the recipe (more epochs, feature
     noise), a killed training starts afresh in a new dir instead of resuming a checkpoint written for
     other settings, which training refuses."""
-    blob = json.dumps(settings("draft_head", preset, target), sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()
+    return hashlib.sha256(settings_blob("draft_head", preset, target).encode()).hexdigest()
 
 
 @asset(deps=[feature_shards], group_name="draft", kinds={"pytorch", "safetensors"})

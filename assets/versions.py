@@ -71,11 +71,16 @@ def settings(asset: str, preset, target, continuable: bool = True) -> dict:
             "target": {"model": target.model, "max_length": target.max_length, "endpoint": target.endpoint}}
 
 
+def settings_blob(asset: str, preset, target, continuable: bool = True) -> str:
+    """settings() as one canonical JSON string (what code versions and staging keys hash)."""
+    return json.dumps(settings(asset, preset, target, continuable), sort_keys=True, default=str)
+
+
 def code_version(asset: str, preset, target, continuable: bool = True) -> str:
     """continuable=False: the version an earlier output must have been made at to be continued (the
     CONTINUABLE settings left out)."""
     paths, _ = INPUTS[asset]
-    blob = json.dumps(settings(asset, preset, target, continuable), sort_keys=True, default=str)
+    blob = settings_blob(asset, preset, target, continuable)
     return hashlib.sha256((source_hash((*SHARED, *paths)) + blob).encode()).hexdigest()[:16]
 
 
