@@ -93,6 +93,13 @@ def has_native_bf16(device: str = "cpu") -> bool:
     return any(f in cpu_flags() for f in CPU_BF16_FLAGS)
 
 
+def resolve_device(name: str) -> str:
+    """'auto' -> 'cuda' where torch sees a GPU, else 'cpu'; any other name as given."""
+    if name != "auto":
+        return name
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def resolve_dtype(name: str, device: str = "cpu", work: str = "decode") -> str:
     """'auto' | 'bfloat16' | 'float32' -> the concrete dtype name the models run in, for `work`
     ('decode': serving, regeneration; 'dense': extraction, training)."""

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from eagle3_platform.compute import autocast, resolve_dtype, set_threads
+from eagle3_platform.compute import autocast, resolve_device, resolve_dtype, set_threads
 from eagle3_platform.draft.metrics import simulated_acceptance
 from eagle3_platform.draft.model import DraftConfig, Eagle3Draft, build_draft, target_head_weights, \
     target_hf_config
@@ -134,9 +134,8 @@ PRESETS: dict[str, TrainConfig] = {
 def train_device(setting: str) -> torch.device:
     """'auto' | 'cpu' | 'cuda' | 'cuda:N' -> the device this process trains on: 'auto' is CUDA where
     torch sees a GPU, and a torchrun rank on CUDA takes cuda:LOCAL_RANK (one GPU per process)."""
-    name = ("cuda" if torch.cuda.is_available() else "cpu") if setting == "auto" else setting
     try:
-        device = torch.device(name)
+        device = torch.device(resolve_device(setting))
     except RuntimeError:  # not a device string at all
         device = None
     if device is None or device.type not in ("cpu", "cuda"):

@@ -23,7 +23,7 @@ import torch
 from pydantic import ValidationError
 from safetensors import safe_open
 
-from eagle3_platform.compute import resolve_dtype
+from eagle3_platform.compute import resolve_device, resolve_dtype
 from eagle3_platform.features.capture import forward_capture
 from eagle3_platform.features.shards import (MANIFEST, ShardError, check_shard, read_header,
                                              read_manifest, rows_from_shards, shard_name,
@@ -252,7 +252,7 @@ def extract_file(target_dir: str | Path, conv_path: str | Path, out_dir: str | P
     `target` lets a caller pass an already loaded target (benchmarks, tests). Returns the summary."""
     t0 = time.perf_counter()
     if target is None:
-        device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        device = resolve_device(cfg.device)
         # whole conversations per forward: dense work (compute.py), where bf16 may not pay
         target = load_target(target_dir, dtype=resolve_dtype(cfg.target_dtype, device, "dense"), device=device)
     header = target_header(target, cfg)
