@@ -52,7 +52,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch threads override (0 = every core)")
     p.add_argument("--regen-budget-min", type=float, default=None,
                    help="regeneration wall minutes per partition and split, across resumes (default: the "
-                        "preset's; 0 = no limit); a new value rebuilds the responses under it")
+                        "preset's; 0 = no limit); a new value continues the published responses")
+    p.add_argument("--prompts-per-workload", type=int, default=None,
+                   help="train prompts per workload (default: the preset's); a larger set keeps the "
+                        "prompts already answered and asks only the new ones")
     p.add_argument("--force", action="store_true", help="rebuild steps that are neither missing nor stale")
     a = p.parse_args(argv)
     a.workloads = [w for w in a.workloads.split(",") if w]
@@ -61,6 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"unknown workloads {bad}; expected some of {list(WORKLOADS)}")
     if a.regen_budget_min is not None and not a.regen_budget_min >= 0:  # NaN too
         p.error(f"--regen-budget-min {a.regen_budget_min}: minutes must be >= 0 (0 = no limit)")
+    if a.prompts_per_workload is not None and a.prompts_per_workload < 1:
+        p.error(f"--prompts-per-workload {a.prompts_per_workload}: must be >= 1")
     return a
 
 
@@ -146,7 +151,7 @@ def run(a: argparse.Namespace) -> dict:
     home = Path(os.environ["DAGSTER_HOME"])
     budget = None if a.regen_budget_min is None else a.regen_budget_min * 60
     defs = build_definitions(env=a.env, preset=a.preset, target=a.target, dtype=a.dtype, torch_threads=a.threads,
-                             regen_time_budget_s=budget)
+                             regen_time_budget_s=budget, prompts_per_workload=a.prompts_per_workload)
     res = defs.resources
     log(f"preset={a.preset} target={res['target'].model} env={a.env or os.environ.get('EAGLE3_ENV', 'local')} "
         f"storage={res['storage'].uri('')} DAGSTER_HOME={home}")

@@ -17,7 +17,8 @@ POLICY = "drop"  # PII policy for training data: drop the record (redact keeps a
 def _filter_split(context, w: str, split: str, storage, target, preset, compute) -> dict:
     stage = storage.staging(Keys.kept(w, split), context.run.run_id)
     raw, kept, rej = stage / "raw.jsonl", stage / "kept.jsonl", stage / "rejected.jsonl"
-    compute.run(context, SourcesRequest(workload=w, split=split, out=str(raw), preset=preset.name))
+    limit = preset.area("sources").train_limit(w) if split == "train" else None  # None: the preset's
+    compute.run(context, SourcesRequest(workload=w, split=split, out=str(raw), preset=preset.name, limit=limit))
     # The eval table is filtered for PII too, but never decontaminated against itself. Prompts must leave
     # room for the answer in the regeneration budget (the target resource may override max_length).
     summary = compute.run(context, FilterRequest(

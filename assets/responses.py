@@ -1,15 +1,15 @@
 """`target_responses`: the target regenerates every assistant turn under its own chat template;
 records carry input_ids + loss_mask (response tokens only), template hash and target id.
 
-A new regeneration time budget makes the responses stale, yet what an earlier budget answered stays
-right: when the only change since the partition's last materialization is the budget (same code, other
-settings and prompts: `continue_version`), the step continues the published output instead of
-regenerating it all. A larger budget asks what the smaller one deferred or cut short; a smaller one
-keeps what is there. Any other change, or a run tagged `eagle3/rebuild` (`eagle3 run --force`),
-starts afresh.
+A new regeneration time budget or a grown prompt set makes the responses stale, yet what was answered
+stays right: when code and every other setting are the last materialization's (`continue_version`),
+the step continues the published output instead of regenerating it all. A larger budget asks what the
+smaller one deferred or cut short; a smaller one keeps what is there. New prompts (`eagle3 run
+--prompts-per-workload`) are asked; the answers of prompts the input no longer holds are dropped (the
+library checks each record's prompt, and starts afresh if one changed under its id). Any other change,
+or a run tagged `eagle3/rebuild` (`eagle3 run --force`), starts afresh.
 """
 
-import hashlib
 import shutil
 
 from dagster import AssetExecutionContext, AssetRecordsFilter, MaterializeResult, MetadataValue, asset
@@ -36,9 +36,8 @@ def _regen_split(context, w: str, split: str, storage, target, preset, compute, 
     # re-prepared target: it cannot be resumed, and nothing but this step writes there).
     stage = storage.staging(Keys.conversations(w, split), preset.staging_key(kept_hash))
     out, rej = stage / "conversations.jsonl", stage / "rejected.jsonl"
-    version = hashlib.sha256(f"{code_version('target_responses', preset, target, continuable=False)}:"
-                             f"{kept_hash}".encode()).hexdigest()[:16]
-    published, why = _continuable(context, storage, w, split, version, preset, last,
+    version = code_version('target_responses', preset, target, continuable=False)
+    published, why = _continuable(context, storage, w, split, version, last,
                                   prefix="" if split == "train" else "eval_")
     summary = compute.run(context, RegenerateRequest(
         target=str(target.dir()), in_path=str(kept), out=str(out), rejected=str(rej), preset=preset.name,
@@ -47,25 +46,23 @@ def _regen_split(context, w: str, split: str, storage, target, preset, compute, 
     check_accounting(summary, "written", f"{w}/{split}")
     summary.setdefault("continued_published", f"no: {why}")
     summary["continue_version"] = version
+    summary["prompts_sha256"] = kept_hash
     summary["uri"] = storage.publish_from(out, Keys.conversations(w, split))
     summary["rejected_uri"] = storage.publish_from(rej, Keys.responses_rejected(w, split))
     shutil.rmtree(stage, ignore_errors=True)  # the run's sidecars (time spent, resume key) go with it
     return summary
 
 
-def _continuable(context, storage, w, split, version, preset, last: dict, prefix: str):
+def _continuable(context, storage, w, split, version, last: dict, prefix: str):
     """-> (the published output of this split, None) if this run may continue it: its last
-    materialization was made at `version` under another time budget, and the run is not a forced
-    rebuild; else (None, why not)."""
-    budget = preset.config().regen.time_budget_s
+    materialization was made at `version` (its time budget and prompts may differ), and the run is not
+    a forced rebuild; else (None, why not). Continued with nothing changed, it asks nothing new."""
     if context.run.tags.get(REBUILD_TAG) == "true":
         return None, f"a forced rebuild ({REBUILD_TAG})"
     if not last:
         return None, "the first build"
     if last.get(f"{prefix}continue_version") != version:
-        return None, "code, settings or prompts changed since the last build"
-    if last.get(f"{prefix}time_budget_s") == budget:
-        return None, "the time budget is the last build's"
+        return None, "code or settings changed since the last build"
     if not storage.exists(Keys.conversations(w, split)):
         return None, "the published output is gone"
     rejected = Keys.responses_rejected(w, split)

@@ -29,6 +29,10 @@ def add_commands(sub) -> None:
                    help="regeneration wall minutes per partition (default: the preset's, cpu: 14; 0 = no "
                         "limit); a new value continues the published responses: a larger one asks "
                         "what the smaller one deferred or cut short")
+    p.add_argument("--prompts-per-workload", type=int, default=None,
+                   help="train prompts per workload (default: the preset's, cpu: 400, long_context "
+                        "keeping its share, 64); a larger set keeps the answers already made and "
+                        "regenerates only the new prompts")
     p.add_argument("--force", action="store_true", help="rebuild what is neither missing nor stale")
     p.set_defaults(func=run)
 
@@ -36,7 +40,7 @@ def add_commands(sub) -> None:
 def pipeline_command(a) -> list[str]:
     cmd = [sys.executable, "-m", "pipeline", "--preset", a.preset]
     for flag in ("target", "workloads", "through", "env", "data_dir", "dagster_home", "dtype", "threads",
-                 "regen_budget_min"):
+                 "regen_budget_min", "prompts_per_workload"):
         if getattr(a, flag, None) is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(a, flag))]
     return cmd + (["--force"] if a.force else [])

@@ -44,7 +44,8 @@ def _int_env(name: str) -> int | None:
 
 def build_resources(env: str | None = None, preset: str | None = None, target: str | None = None,
                     storage: StorageResource | None = None, dtype: str | None = None,
-                    torch_threads: int | None = None, regen_time_budget_s: float | None = None) -> dict:
+                    torch_threads: int | None = None, regen_time_budget_s: float | None = None,
+                    prompts_per_workload: int | None = None) -> dict:
     """All resources for one environment; arguments override the environment variables."""
     env = env or os.environ.get("EAGLE3_ENV", "local")
     threads = torch_threads if torch_threads is not None else _int_env("EAGLE3_TORCH_THREADS")
@@ -53,7 +54,8 @@ def build_resources(env: str | None = None, preset: str | None = None, target: s
         "target": TargetResource(model=target or os.environ.get("EAGLE3_TARGET", "smollm2-135m-instruct")),
         "preset": PresetResource(name=preset or os.environ.get("EAGLE3_PRESET", DEFAULT_PRESET),
                                  dtype=dtype or os.environ.get("EAGLE3_DTYPE") or None, torch_threads=threads,
-                                 regen_time_budget_s=regen_time_budget_s),
+                                 regen_time_budget_s=regen_time_budget_s,
+                                 prompts_per_workload=prompts_per_workload),
         "compute": ComputeResource(mode=os.environ.get("EAGLE3_COMPUTE", "in_process")),
         "serving": ServingResource(mode=os.environ.get("EAGLE3_SERVING", "auto"),
                                    bench_duration_s=_int_env("EAGLE3_BENCH_DURATION_S")),

@@ -1,6 +1,6 @@
 """The `preset` resource: one name (tiny | demo | cpu | full) selects every area's typed config, and the
 compute overrides (dtype, torch_threads) apply to every stage that runs a model; the regeneration time
-budget can be overridden too.
+budget and the number of train prompts per workload can be overridden too.
 
 Presets are named and resolved in one place, `eagle3_platform.config`; this resource only carries the
 choice into the assets, which put it in each stage's request (eagle3_platform.stage).
@@ -24,17 +24,23 @@ class PresetResource(ConfigurableResource):
     # takes up what it deferred; a published output made under another budget is continued
     # (assets/responses.py).
     regen_time_budget_s: float | None = None
+    # None: the preset's; else train prompts per workload (SourceConfig.with_train_prompts). A larger
+    # set keeps the smaller one's prompts, and the responses step continues what they were answered
+    # with (assets/responses.py): growing the data asks only the new prompts.
+    prompts_per_workload: int | None = None
 
     def config(self):
         """eagle3_platform.config.PlatformConfig of this preset (unknown names are refused there), with
-        the time budget override applied."""
+        the time budget and prompt count overrides applied."""
         from eagle3_platform.config import preset
         from eagle3_platform.data.regenerate import resolve_config
 
         config = preset(self.name)
-        if self.regen_time_budget_s is None:
-            return config
-        return config.with_(regen=resolve_config(config.regen, time_budget_s=self.regen_time_budget_s))
+        if self.regen_time_budget_s is not None:
+            config = config.with_(regen=resolve_config(config.regen, time_budget_s=self.regen_time_budget_s))
+        if self.prompts_per_workload is not None:
+            config = config.with_(sources=config.sources.with_train_prompts(self.prompts_per_workload))
+        return config
 
     def area(self, area: str):
         return getattr(self.config(), area)

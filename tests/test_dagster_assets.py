@@ -300,3 +300,49 @@ def test_a_raised_regeneration_budget_continues_the_published_responses_and_a_fo
     assert f["resumed"] == 0 and f["written"] == big["written"]
     assert answer_clock[0] - again > asked  # every turn asked again
     assert {r["id"]: r for r in read_jsonl(conversations)} == continued
+
+
+def test_more_prompts_per_workload_keep_the_published_answers_and_ask_only_the_new_prompts(
+        tmp_path, tiny_target_dir, instance, answer_clock):
+    """`eagle3 run --prompts-per-workload N` (the preset resource's `prompts_per_workload`): a larger N
+    keeps the smaller one's prompts (sources are a prefix), so the responses step continues the
+    published answers and asks only the new prompts; the unchanged eval split asks nothing."""
+    from dagster import materialize
+
+    from assets.partitions import Keys
+    from assets.responses import REBUILD_TAG
+    from dagster_helpers import GRAPH
+    from eagle3_platform.records import read_jsonl
+    from resources import PresetResource
+
+    storage = StorageResource(root=str(tmp_path))
+    res = tiny_resources(storage, tiny_target_dir)
+    kept = storage.local_path(Keys.kept(WORKLOAD, "train"))
+    conversations = storage.local_path(Keys.conversations(WORKLOAD))
+
+    res["preset"] = PresetResource(name="tiny", prompts_per_workload=4)
+    run(["filtered_prompts"], res, instance, WORKLOAD)
+    small_ids = [r["id"] for r in read_jsonl(kept)]
+    asked = answer_clock[0]
+    small = meta(run(["target_responses"], res, instance, WORKLOAD), "target_responses")
+    asked_small = answer_clock[0] - asked
+    published = conversations.read_bytes()
+
+    res["preset"] = PresetResource(name="tiny", prompts_per_workload=8)
+    grown = meta(run(["filtered_prompts"], res, instance, WORKLOAD), "filtered_prompts")
+    ids = [r["id"] for r in read_jsonl(kept)]
+    assert grown["read"] == 8 and ids[:len(small_ids)] == small_ids and len(ids) > len(small_ids)
+    asked = answer_clock[0]
+    big = meta(run(["target_responses"], res, instance, WORKLOAD), "target_responses")
+    asked_big = answer_clock[0] - asked
+    assert big["continued_published"] == f"{small['written']} records"
+    assert big["eval_continued_published"] == f"{small['eval_written']} records"
+    assert big["read"] == len(ids) and big["written"] + big["rejected"] == big["read"]
+    assert conversations.read_bytes().startswith(published)
+    assert big["prompts_sha256"] != small["prompts_sha256"]
+
+    asked = answer_clock[0]
+    materialize(GRAPH, selection=["target_responses"], partition_key=WORKLOAD, instance=instance,
+                resources=res, tags={REBUILD_TAG: "true"})
+    # a rebuild asks both splits' every turn: the small build's (train + eval) and the new prompts'
+    assert asked_big >= 1 and answer_clock[0] - asked == asked_small + asked_big

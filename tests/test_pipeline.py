@@ -86,6 +86,26 @@ def test_the_regeneration_budget_flag_reaches_the_pipeline_and_a_negative_one_is
     assert "minutes must be >= 0" in capsys.readouterr().err
 
 
+def test_the_prompts_per_workload_flag_reaches_the_preset_resource_and_scales_long_context(capsys):
+    import argparse
+
+    from eagle3_platform.run_cli import pipeline_command
+    from resources import PresetResource
+
+    a = argparse.Namespace(preset="cpu", force=False, prompts_per_workload=1600)
+    cmd = pipeline_command(a)
+    assert pipeline.parse_args(cmd[cmd.index("--preset"):]).prompts_per_workload == 1600
+    sources = PresetResource(name="cpu", prompts_per_workload=1600).config().sources
+    assert (sources.train_limit("chat"), sources.train_limit("long_context")) == (1600, 256)  # cpu: 64 per 400
+    assert PresetResource(name="demo", prompts_per_workload=80).config().sources.train_limit("long_context") == 80
+    assert PresetResource(name="cpu").config().sources.train_limit("chat") == 400
+    with pytest.raises(SystemExit):
+        pipeline.parse_args(["--prompts-per-workload", "0"])
+    assert "must be >= 1" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="must be >= 1"):
+        PresetResource(name="cpu", prompts_per_workload=0).config()
+
+
 @pytest.mark.parametrize("force", [False, True])
 def test_force_tags_its_runs_as_rebuilds_so_nothing_published_is_continued(instance, monkeypatch, force):
     import dagster

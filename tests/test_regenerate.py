@@ -842,6 +842,60 @@ def test_a_published_output_is_continued_only_under_this_runs_key_and_prompts(
     assert all(r["messages"][0]["content"].startswith("Edited: ") for r in read_jsonl(out))
 
 
+def test_a_grown_prompt_set_continues_the_published_output_and_asks_only_the_new_prompts(
+        tiny_target_dir, tmp_path, answer_clock, varied_regen):
+    """continue_from with more prompts (a larger `--prompts-per-workload`): the published records are
+    kept byte for byte and only the new prompts are asked, planned among themselves (the
+    `.settled.json` sidecar), so they come out as a fresh run over the new prompts alone makes them,
+    and a resume after a kill plans the same windows. A smaller set drops the rows it no longer holds."""
+    from eagle3_platform.data.regenerate import Published, settled_path
+
+    prompts = mixed_prompts(12)
+    cfg = replace(TINY, batch_size=2, window_batches=1, random_order=True)
+    old = write_prompts(tmp_path / "old.jsonl", prompts[:6])
+    pub, pub_rej = tmp_path / "pub.jsonl", tmp_path / "pub.rejected.jsonl"
+    first = regenerate_file(tiny_target_dir, old, pub, cfg, rejected_path=pub_rej, scanner=NoScan())
+    published = pub.read_bytes()
+    asked = answer_clock[0]
+    alone = regenerate_file(tiny_target_dir, write_prompts(tmp_path / "new.jsonl", prompts[6:]),
+                            tmp_path / "alone.jsonl", cfg, scanner=NoScan())
+    turns_new = answer_clock[0] - asked
+    want = {r["id"]: r for r in read_jsonl(tmp_path / "alone.jsonl")}
+
+    grown = write_prompts(tmp_path / "grown.jsonl", prompts)
+    out, rej = tmp_path / "out.jsonl", tmp_path / "rej.jsonl"
+    asked = answer_clock[0]
+    more = regenerate_file(tiny_target_dir, grown, out, cfg, rejected_path=rej, scanner=NoScan(),
+                           continue_from=Published(pub, pub_rej))
+    assert more["continued_published"] == f"{first['written']} records"
+    assert answer_clock[0] - asked == turns_new  # the old prompts were not asked again
+    assert more["read"] == 12 and more["written"] == first["written"] + alone["written"]
+    assert out.read_bytes().startswith(published)
+    assert {r["id"]: r for r in read_jsonl(out) if r["id"] in want} == want
+    assert json.loads(settled_path(out).read_text())["ids"] == sorted(r["id"] for r in read_jsonl(pub))
+
+    # killed after the continuation's first new window (2 rows): the resume plans the same windows,
+    # so it asks only the later ones
+    rows = out.read_bytes().splitlines(keepends=True)
+    out.write_bytes(b"".join(rows[:first["written"] + 2]))
+    asked = answer_clock[0]
+    resumed = regenerate_file(tiny_target_dir, grown, out, cfg, rejected_path=rej, scanner=NoScan())
+    assert resumed["resumed"] == first["written"] + 2 and 0 < answer_clock[0] - asked < turns_new
+    assert {r["id"]: r for r in read_jsonl(out) if r["id"] in want} == want
+
+    # a smaller set: the rows of prompts it no longer holds are left out, the rest kept as they were
+    smaller = write_prompts(tmp_path / "smaller.jsonl", prompts[:3])
+    out2, rej2 = tmp_path / "out2.jsonl", tmp_path / "rej2.jsonl"
+    asked = answer_clock[0]
+    less = regenerate_file(tiny_target_dir, smaller, out2, cfg, rejected_path=rej2, scanner=NoScan(),
+                           continue_from=Published(pub, pub_rej))
+    assert answer_clock[0] == asked and less["read"] == less["written"] == 3
+    assert less["continued_published"] == f"3 records ({first['written'] - 3} dropped)"
+    kept = {r["id"]: r for r in read_jsonl(pub) if r["id"] in {p["id"] for p in prompts[:3]}}
+    assert {r["id"]: r for r in read_jsonl(out2)} == kept
+    assert pub.read_bytes() == published  # the published output is never changed
+
+
 def test_an_endpoint_run_stops_starting_conversations_when_its_budget_is_spent(tiny_target_dir, tmp_path,
                                                                              fake_server, answer_clock):
     fake_server.fail_left = 0

@@ -221,11 +221,12 @@ def prompt_sha256(rec: PromptRecord) -> str:
 
 
 def changed_prompts(out_path: Path, convos: list[Convo]) -> int:
-    """Records in out_path whose prompt is not the one the input now holds under their id (records
-    from before prompt hashes were written are not checked)."""
+    """Records in out_path whose prompt is not the one the input now holds under their id (ids the
+    input does not hold, and records from before prompt hashes were written, are not counted)."""
     now = {c.rec.id: prompt_sha256(c.rec) for c in convos}
     return sum(1 for row in read_jsonl(out_path, tolerate_torn_tail=True)
-               if (made := (row.get("generation") or {}).get("prompt_sha256")) and now.get(row.get("id")) != made)
+               if (made := (row.get("generation") or {}).get("prompt_sha256")) and row.get("id") in now
+               and now[row["id"]] != made)
 
 
 def finalize(c: Convo, tok, scanner, meta: dict, gen: dict) -> ConversationRecord | Rejection:
@@ -398,8 +399,9 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
     continued = "no: resumed its own output" if continue_from is not None else None
     if not (out_path.exists() or rejected_path.exists()):  # restarted, or the output moved on (published)
         budget_path(out_path).unlink(missing_ok=True)
+        settled_path(out_path).unlink(missing_ok=True)
         if continue_from is not None:
-            continued = take_published(continue_from, out_path, rejected_path, key, prompts.convos)
+            continued = take_published(continue_from, out_path, rejected_path, key, prompts)
     clock = TimeBudget(cfg.time_budget_s, budget_path(out_path))
     retried = recut = 0
     if not clock.over():  # budget left: ask again what an earlier, smaller budget deferred or cut
@@ -415,6 +417,9 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
         if changed:  # e.g. prompts redacted since: the old answers (and prompts) must not be kept
             raise ValueError(f"{out_path} holds {changed} records made from other prompts than {in_path} now "
                              "has under their ids; use a fresh --out, or --restart to discard them")
+        if continued is not None and not continued.startswith("no"):  # before any new row: every resume
+            write_json_atomic(settled_path(out_path), {"ids": sorted(done)})  # plans the same windows
+        settled = read_settled(out_path)
         for r in prompts.rejected:  # rejected while reading: deterministic, so a resume skips them by id
             if r.id not in done:
                 rej.append(r)
@@ -432,7 +437,7 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
             if endpoint:
                 run_endpoint(endpoint, convos, turns, cfg, done, emit, meta, api_key, clock)
             else:
-                run_local(target_dir, convos, turns, cfg, done, emit, clock)
+                run_local(target_dir, convos, turns, cfg, done, emit, clock, settled)
         finally:
             clock.save()
     summary = summarize(prompts, out_path, rejected_path, len(done), progress, time.perf_counter() - t0, meta,
@@ -480,31 +485,51 @@ def key_diff(old: dict, key: dict) -> list[str]:
     return [f"{k} {old.get(k)!r} -> {v!r}" for k, v in key.items() if old.get(k) != v]
 
 
-def take_published(src: Published, out_path: Path, rejected_path: Path, key: dict,
-                   convos: list[Convo]) -> str:
+def take_published(src: Published, out_path: Path, rejected_path: Path, key: dict, prompts: Prompts) -> str:
     """Copies a published output to out_path / rejected_path (which do not exist) with the budget it spent,
-    when its records were made under `key` from the prompts `convos` hold now. -> what was taken
-    ("N records"), or "no: <why>" (a fresh start). Order: the budget, the records, the rejections. Killed between
-    them, the next run resumes what was copied (a missing rejections file only means those
-    conversations are asked again)."""
+    when its records were made under `key` from the prompts the input holds now under their ids. Rows of
+    ids the input no longer holds (a smaller prompt set) are left out. -> what was taken ("N records",
+    with "M dropped" where rows were left out), or "no: <why>" (a fresh start). Order: the budget, the
+    records, the rejections. Killed between them, the next run resumes what was copied (a missing
+    rejections file only means those conversations are asked again)."""
     diff, why = resume_key_diff(src.out, key), None
     if diff is None:
         why = "it holds no record to check its target and settings against"
     elif diff:
         why = "it was made with " + "; ".join(diff)
-    elif changed := changed_prompts(src.out, convos):
+    elif changed := changed_prompts(src.out, prompts.convos):
         why = f"{changed} of its records were made from prompts the input no longer holds"
     if why:
         print(f"[regenerate] not continuing {src.out}: {why}; starting afresh", file=sys.stderr)
         return f"no: {why}"
+    ids = prompts.ids()
     write_json_atomic(budget_path(out_path), {"spent_s": round(src.spent_s, 3)})
-    atomic_write(out_path, lambda tmp: shutil.copyfile(src.out, tmp))
+    dropped = copy_rows(src.out, out_path, ids)
     if src.rejected is not None and src.rejected.exists():
-        atomic_write(rejected_path, lambda tmp: shutil.copyfile(src.rejected, tmp))
+        dropped += copy_rows(src.rejected, rejected_path, ids)
     n = sum(1 for _ in read_jsonl(out_path))
-    print(f"[regenerate] continuing {src.out}: {n} records, {src.spent_s:.0f} s of time budget spent",
+    gone = f", {dropped} dropped: their prompts are no longer in the input" if dropped else ""
+    print(f"[regenerate] continuing {src.out}: {n} records{gone}, {src.spent_s:.0f} s of time budget spent",
           file=sys.stderr)
-    return f"{n} records"
+    return f"{n} records" + (f" ({dropped} dropped)" if dropped else "")
+
+
+def copy_rows(src: Path, dst: Path, ids: set[str]) -> int:
+    """Copies src to dst atomically, without the rows whose id is not in `ids` (lines kept byte for
+    byte) -> rows left out."""
+    atomic_write(dst, lambda tmp: shutil.copyfile(src, tmp))
+    return drop_jsonl_rows(dst, lambda row: row.get("id") not in ids)
+
+
+def settled_path(out_path: Path) -> Path:
+    """The ids a continued output took whole from the published one, beside it: later windows are
+    planned over the other records only, the same in every resume (see run_local)."""
+    return out_path.with_name(out_path.name + ".settled.json")
+
+
+def read_settled(out_path: Path) -> set[str]:
+    path = settled_path(out_path)
+    return set(json.loads(path.read_text())["ids"]) if path.exists() else set()
 
 
 def check_resume_key(out_path: Path, rejected_path: Path, key: dict, restart: bool,
@@ -621,11 +646,13 @@ def plan_windows(convos: list[Convo], length: Callable[[Convo], int], size: int,
 
 
 def run_local(target_dir, convos: list[Convo], turns: Turns, cfg: RegenConfig, done: set[str], emit,
-              clock: TimeBudget) -> None:
+              clock: TimeBudget, settled: frozenset[str] | set[str] = frozenset()) -> None:
     """Continuous batched decoding on the local target, window by window (plan_windows): a resumed run
     redoes the window it stopped in with exactly the same companions, so its records come out as an
     uninterrupted run's. Once the time budget is spent, the conversations of later windows are deferred
-    without loading the target."""
+    without loading the target. `settled`: records a continued published output holds whole; planned
+    over the rest only, a grown prompt set asks its new prompts without redoing the old ones'
+    windows."""
     from eagle3_platform.compute import set_threads
     from eagle3_platform.target import load_target
 
@@ -635,7 +662,7 @@ def run_local(target_dir, convos: list[Convo], turns: Turns, cfg: RegenConfig, d
     for c in convos:
         if c.reject is not None and c.rec.id not in done:
             emit(c)
-    live = [c for c in convos if c.reject is None]
+    live = [c for c in convos if c.reject is None and c.rec.id not in settled]
     if all(c.rec.id in done for c in live):
         return
     lengths = {c.rec.id: len(render_prompt(turns.tok, c.segments[0])) for c in live}

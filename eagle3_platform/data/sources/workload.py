@@ -25,7 +25,7 @@ import importlib.metadata
 import itertools
 import sys
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -65,6 +65,17 @@ class SourceConfig:
         if workload == "long_context" and self.long_context_limit is not None:
             return self.long_context_limit
         return self.limit
+
+    def with_train_prompts(self, n: int) -> "SourceConfig":
+        """`n` train records per workload; long_context keeps the preset's share of them (cpu: 64 per
+        400), its ~1000-token prompts being what the cap is for. The records are a prefix of any larger
+        n's (sources are interleaved in a fixed order), so a grown set keeps the prompts already asked."""
+        if n < 1:
+            raise ValueError(f"prompts per workload must be >= 1, got {n}")
+        lc = self.long_context_limit
+        if lc is not None and self.limit:
+            lc = max(1, round(lc * n / self.limit))
+        return replace(self, limit=n, long_context_limit=lc)
 
 
 PRESETS: dict[str, SourceConfig] = {
