@@ -9,7 +9,6 @@ through the sweep favours neither endpoint at every level.
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys

@@ -226,7 +226,7 @@ def propose_chains(drafters: list[EagleDrafter], roots: list[int], budget: int) 
     steps are the best ones); a row's chain is cut where its path's draft probability falls below
     min_draft_prob."""
     _append_queued_many(drafters)
-    d, cfg, B = drafters[0].draft, drafters[0].cfg, len(drafters)
+    d, cfg = drafters[0].draft, drafters[0].cfg
     steps = min(cfg.num_steps, budget)
     n = torch.tensor([x.n for x in drafters])  # [B]
     past, allowed = _padded_past(drafters, room=steps)  # DraftKV over [B,kv,P,hd], bool [B,P] | None
