@@ -1,7 +1,11 @@
 """`feature_shards`: offline hidden states of the target (capture layers + final post-norm state) as
-safetensors shards + a parquet manifest per workload and split."""
+safetensors shards + a parquet manifest per workload and split. A rebuild starts from the published
+shards and keeps those whose records are unchanged (`shards_seeded`, `shards_skipped`)."""
 
 import json
+import os
+import shutil
+from pathlib import Path
 
 from dagster import (AssetCheckResult, AssetCheckSpec, AssetExecutionContext, MaterializeResult,
                      MetadataValue, asset)
@@ -22,13 +26,40 @@ def _extract_split(context, w: str, split: str, storage, target, preset, compute
 
     conv = storage.fetch(Keys.conversations(w, split))
     out = storage.staging(Keys.features(w, split), preset.staging_key(sha256_file(conv)))  # resumable per input
+    seeded = _seed_from_published(storage, Keys.features(w, split), out)
     summary = compute.run(context, ExtractRequest(target=str(target.dir()), in_path=str(conv), out=str(out),
                                                   preset=preset.name, max_length=target.max_length,
                                                   **preset.compute()))
     # Sidecar naming the target these features belong to: consumers pick matching partitions cheaply.
     (out / TARGET_SIDECAR).write_text(json.dumps(expect_header(target)))
     summary["uri"] = storage.publish_from(out, Keys.features(w, split))
+    summary["shards_seeded"] = seeded
     return summary
+
+
+def _seed_from_published(storage: StorageResource, key: str, out: Path) -> int:
+    """A new staging dir starts from the published shards (hard links where the filesystem allows,
+    else copies; every write to them is tmp + rename, so the published files are never changed).
+    Extraction keeps each shard whose records, tokens and masks are the ones it would write now and
+    recomputes the rest (extract._reusable): conversations grown by new prompts, the published
+    records first and unchanged, extract only what is new. -> shards seeded."""
+    from eagle3_platform.features.shards import MANIFEST
+
+    if (out / MANIFEST).exists() or not storage.exists(f"{key}/{MANIFEST}"):
+        return 0  # resuming its own work, or nothing published
+    src = storage.fetch_dir(key)
+    shards = sorted(src.glob("shard-*.safetensors"))
+    for f in [*shards, src / MANIFEST]:  # the manifest last: a kill before it seeds again
+        link_or_copy(f, out / f.name)
+    return len(shards)
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    dst.unlink(missing_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:  # another filesystem (a cache), or no hard links
+        shutil.copy2(src, dst)
 
 
 def expect_header(target: TargetResource) -> dict:

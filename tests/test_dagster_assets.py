@@ -306,7 +306,8 @@ def test_more_prompts_per_workload_keep_the_published_answers_and_ask_only_the_n
         tmp_path, tiny_target_dir, instance, answer_clock):
     """`eagle3 run --prompts-per-workload N` (the preset resource's `prompts_per_workload`): a larger N
     keeps the smaller one's prompts (sources are a prefix), so the responses step continues the
-    published answers and asks only the new prompts; the unchanged eval split asks nothing."""
+    published answers and asks only the new prompts; the unchanged eval split asks nothing. Feature
+    extraction starts from the published shards and recomputes only those whose records changed."""
     from dagster import materialize
 
     from assets.partitions import Keys
@@ -320,18 +321,21 @@ def test_more_prompts_per_workload_keep_the_published_answers_and_ask_only_the_n
     kept = storage.local_path(Keys.kept(WORKLOAD, "train"))
     conversations = storage.local_path(Keys.conversations(WORKLOAD))
 
-    res["preset"] = PresetResource(name="tiny", prompts_per_workload=4)
+    res["preset"] = PresetResource(name="tiny", prompts_per_workload=8)
     run(["filtered_prompts"], res, instance, WORKLOAD)
     small_ids = [r["id"] for r in read_jsonl(kept)]
     asked = answer_clock[0]
     small = meta(run(["target_responses"], res, instance, WORKLOAD), "target_responses")
     asked_small = answer_clock[0] - asked
     published = conversations.read_bytes()
+    f_small = meta(run(["feature_shards"], res, instance, WORKLOAD), "feature_shards")
+    shards = storage.local_path(Keys.features(WORKLOAD, "train"))
+    shard0 = (shards / "shard-00000.safetensors").read_bytes()
 
-    res["preset"] = PresetResource(name="tiny", prompts_per_workload=8)
+    res["preset"] = PresetResource(name="tiny", prompts_per_workload=16)
     grown = meta(run(["filtered_prompts"], res, instance, WORKLOAD), "filtered_prompts")
     ids = [r["id"] for r in read_jsonl(kept)]
-    assert grown["read"] == 8 and ids[:len(small_ids)] == small_ids and len(ids) > len(small_ids)
+    assert grown["read"] == 16 and ids[:len(small_ids)] == small_ids and len(ids) > len(small_ids)
     asked = answer_clock[0]
     big = meta(run(["target_responses"], res, instance, WORKLOAD), "target_responses")
     asked_big = answer_clock[0] - asked
@@ -340,6 +344,13 @@ def test_more_prompts_per_workload_keep_the_published_answers_and_ask_only_the_n
     assert big["read"] == len(ids) and big["written"] + big["rejected"] == big["read"]
     assert conversations.read_bytes().startswith(published)
     assert big["prompts_sha256"] != small["prompts_sha256"]
+
+    f_big = meta(run(["feature_shards"], res, instance, WORKLOAD), "feature_shards")
+    full = f_small["samples"] // 4  # tiny: 4 samples a shard; the small build's full shards are unchanged
+    assert full >= 1 and f_big["shards_seeded"] == f_small["shards"]
+    assert f_big["shards_skipped"] >= full and f_big["shards_written"] == f_big["shards"] - f_big["shards_skipped"]
+    assert f_big["samples"] > f_small["samples"] and (shards / "shard-00000.safetensors").read_bytes() == shard0
+    assert f_big["eval_shards_skipped"] == f_big["eval_shards"]  # the eval split did not change
 
     asked = answer_clock[0]
     materialize(GRAPH, selection=["target_responses"], partition_key=WORKLOAD, instance=instance,
