@@ -24,7 +24,10 @@ rejected as `budget:time`, and begun ones keep their answered turns (`dropped_tu
 ends them; `cut_by_time` in the record's generation). A later run with budget left asks both again:
 the deferred ones, and the cut ones from their start (their window is redone whole anyway). A
 published output (moved away from `out`) is continued only when asked (`continue_from`): copied back
-under the same resume key, with the time it spent.
+under the same resume key, with the time it spent, without the rows of ids the input no longer holds.
+The rows it brings whole are settled (`.settled.json` beside `out`, written before any new row), and
+local windows are planned over the other records only: a grown prompt set asks its new prompts
+without redoing old ones as their companions, and every resume plans the same windows.
 """
 from __future__ import annotations
 
