@@ -1,14 +1,20 @@
 """`draft_vocab` (top-Vd response tokens → d2t/t2d) and `draft_head` (EAGLE-3 TTT training from the
-feature shards of every available workload, scored on held-out features, then the SGLang export)."""
+feature shards of every available workload, scored on held-out features, then the SGLang export).
+
+When the data grew since the published head (same code and settings, other inputs), a preset with
+`warm_start_epochs` starts from that head and trains those epochs over all the data, instead of its
+full recipe from scratch; `eagle3 run --force` trains from scratch."""
 import hashlib
+from pathlib import Path
 
 from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
 
 from assets.features import feature_shards, features_for
-from assets.metadata import summary_metadata
+from assets.metadata import REBUILD_TAG, last_metadata, summary_metadata
 from assets.partitions import Keys
-from assets.versions import settings_blob
+from assets.versions import code_version, settings_blob
 from eagle3_platform.draft.stages import ExportRequest, TrainRequest, VocabRequest
+from eagle3_platform.draft.warm_start import CONFIG, WEIGHTS, init_sha256
 from resources import ComputeResource, PresetResource, StorageResource, TargetResource
 
 VOCAB_FILE = "vocab.safetensors"
@@ -59,18 +65,26 @@ def draft_head(context: AssetExecutionContext, storage: StorageResource, target:
     dirs = fetch_features(storage, target, "train", context.log)
     eval_dirs = fetch_features(storage, target, "eval", context.log)
     vocab = storage.fetch(f"{Keys.VOCAB}/{VOCAB_FILE}")
-    # Same inputs + preset and recipe → same staging dir, so a killed training resumes from its checkpoint.
-    key = inputs_hash(vocab, *dirs, *eval_dirs) + train_settings_hash(preset, target)
+    inputs, version = inputs_hash(vocab, *dirs, *eval_dirs), code_version("draft_head", preset, target)
+    init, why = _warm_start_from(context, storage, preset, version, inputs)
+    # Same inputs + preset and recipe (+ start) → same staging dir: a killed training resumes from its checkpoint.
+    key = inputs + train_settings_hash(preset, target) + (init_sha256(init) if init else "")
     ckpt = storage.staging(Keys.DRAFT, preset.staging_key(key))
     summary = compute.run(context, TrainRequest(
         target=str(target.dir()), features=[str(d) for d in dirs], out=str(ckpt), preset=preset.name,
-        eval_features=[str(d) for d in eval_dirs], vocab=str(vocab), resume=True, **preset.compute()))
+        eval_features=[str(d) for d in eval_dirs], vocab=str(vocab), resume=True,
+        init_from=str(init) if init else None,
+        epochs=preset.config().train.warm_start_epochs if init else None, **preset.compute()))
     exp = storage.staging(Keys.EXPORT, context.run.run_id)
     exported = compute.run(context, ExportRequest(draft=str(ckpt), out=str(exp)))
     export_uri = storage.publish_from(exp, Keys.EXPORT)
     ckpt_uri = storage.publish_from(ckpt, Keys.DRAFT)
     heldout = summary.get("eval_simulated_acceptance")  # absent when no eval split has features
+    warm = summary.get("warm_start") or {}
     return MaterializeResult(metadata={
+        "warm_start": (f"from the published head ({warm['init_sha256'][:12]}): {warm['lm_head_rows_kept']} "
+                       f"lm_head rows kept, {warm['lm_head_rows_new']} new") if warm else f"no: {why}",
+        "warm_start_version": version, "inputs_sha256": inputs,
         **({"heldout_simulated_acceptance": float(heldout)} if heldout is not None else {}),
         "train_simulated_acceptance": float(summary.get("train_simulated_acceptance", 0.0)),
         "heldout_acc_k": MetadataValue.json((summary.get("eval") or {}).get("acc", [])),
@@ -79,9 +93,32 @@ def draft_head(context: AssetExecutionContext, storage: StorageResource, target:
         "export_uri": MetadataValue.path(export_uri), "checkpoint_uri": MetadataValue.path(ckpt_uri),
         "loss_curve": MetadataValue.md(loss_table(summary.get("history") or [])),
         **summary_metadata({k: v for k, v in summary.items()
-                            if k in ("steps", "train_tokens", "train_tokens_per_s", "resumed_from", "compute_dtype",
+                            if k in ("steps", "epochs", "train_tokens", "train_tokens_per_s", "resumed_from", "compute_dtype",
                                      "device")}),
         **summary_metadata({k: v for k, v in exported.items() if k != "export_dir"}, prefix="export_")})
+
+
+def _warm_start_from(context, storage: StorageResource, preset: PresetResource, version: str,
+                     inputs: str) -> tuple[Path | None, str]:
+    """-> (the published head's dir, "") if this build may start from it, else (None, why not). It
+    may when the preset warm-starts (`warm_start_epochs`), the published head was made at this code
+    and settings `version` on other inputs (the data grew: `eagle3 run --prompts-per-workload`), and
+    the run is not a forced rebuild. On the same inputs a build trains from scratch, as the head was."""
+    if not preset.config().train.warm_start_epochs:
+        return None, f"the {preset.name} preset trains from scratch"
+    if context.run.tags.get(REBUILD_TAG) == "true":
+        return None, f"a forced rebuild ({REBUILD_TAG})"
+    last = last_metadata(context)
+    if not last:
+        return None, "the first build"
+    if last.get("warm_start_version") != version:
+        return None, "code or settings changed since the last build"
+    if last.get("inputs_sha256") == inputs:
+        return None, "the published head was trained on these inputs"
+    files = [f"{Keys.DRAFT}/{name}" for name in (WEIGHTS, CONFIG)]
+    if not all(storage.exists(f) for f in files):
+        return None, "the published head is gone"
+    return [storage.fetch(f) for f in files][0].parent, ""
 
 
 def loss_table(history: list[dict], rows: int = 12) -> str:

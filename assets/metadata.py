@@ -1,8 +1,11 @@
-"""Turning a library step's JSON summary into rich Dagster metadata (one helper for every asset)."""
+"""Turning a library step's JSON summary into rich Dagster metadata (one helper for every asset), and
+reading back what the last materialization recorded (what a step may continue from)."""
 
 import json
 
-from dagster import MetadataValue
+from dagster import AssetRecordsFilter, MetadataValue
+
+REBUILD_TAG = "eagle3/rebuild"  # a run tag: "true" rebuilds from scratch, continuing nothing
 
 
 def md_table(rows: dict, key: str = "key", value: str = "value") -> MetadataValue:
@@ -34,3 +37,13 @@ def check_accounting(summary: dict, kept: str, where: str) -> dict:
     if summary[kept] + summary["rejected"] != summary["read"]:
         raise RuntimeError(f"{where}: {kept} + rejected != read: {summary}")
     return summary
+
+
+def last_metadata(context) -> dict:
+    """Plain values of the asset's (partition's) latest materialization's metadata ({} if none)."""
+    partitions = [context.partition_key] if context.has_partition_key else None
+    records = context.instance.fetch_materializations(
+        AssetRecordsFilter(asset_key=context.asset_key, asset_partitions=partitions), limit=1).records
+    if not records:
+        return {}
+    return {k: getattr(v, "value", v) for k, v in records[0].asset_materialization.metadata.items()}

@@ -357,3 +357,41 @@ def test_more_prompts_per_workload_keep_the_published_answers_and_ask_only_the_n
                 resources=res, tags={REBUILD_TAG: "true"})
     # a rebuild asks both splits' every turn: the small build's (train + eval) and the new prompts'
     assert asked_big >= 1 and answer_clock[0] - asked == asked_small + asked_big
+
+
+def test_a_head_on_grown_data_starts_from_the_published_head(tmp_path, tiny_target_dir, instance):
+    """More prompts per workload grow the features; the head's rebuild starts from the published head
+    (same code and settings, other inputs) and trains the preset's warm_start_epochs. The same inputs,
+    or a forced rebuild, train from scratch."""
+    from dagster import materialize
+
+    from assets.metadata import REBUILD_TAG
+    from assets.partitions import Keys
+    from dagster_helpers import GRAPH
+    from eagle3_platform.draft.train import PRESETS
+    from eagle3_platform.records import sha256_file
+    from resources import PresetResource
+
+    storage = StorageResource(root=str(tmp_path))
+    res = tiny_resources(storage, tiny_target_dir)
+    data = ["filtered_prompts", "target_responses", "feature_shards"]
+    res["preset"] = PresetResource(name="tiny", prompts_per_workload=8)
+    run(data, res, instance, WORKLOAD)
+    first = meta(run(["draft_vocab", "draft_head"], res, instance), "draft_head")
+    assert first["warm_start"] == "no: the first build" and first["epochs"] == PRESETS["tiny"].epochs
+    published = sha256_file(storage.fetch(f"{Keys.DRAFT}/draft.safetensors"))
+
+    res["preset"] = PresetResource(name="tiny", prompts_per_workload=16)
+    run(data, res, instance, WORKLOAD)
+    grown = meta(run(["draft_vocab", "draft_head"], res, instance), "draft_head")
+    assert grown["warm_start"].startswith(f"from the published head ({published[:12]})"), grown["warm_start"]
+    assert grown["epochs"] == PRESETS["tiny"].warm_start_epochs != PRESETS["tiny"].epochs
+    assert grown["inputs_sha256"] != first["inputs_sha256"]
+    assert sha256_file(storage.fetch(f"{Keys.DRAFT}/draft.safetensors")) != published  # it trained on
+
+    again = meta(run(["draft_head"], res, instance), "draft_head")
+    assert again["warm_start"] == "no: the published head was trained on these inputs"
+    assert again["epochs"] == PRESETS["tiny"].epochs
+    forced = materialize(GRAPH, selection=["draft_head"], instance=instance, resources=res,
+                         tags={REBUILD_TAG: "true"})
+    assert meta(forced, "draft_head")["warm_start"] == f"no: a forced rebuild ({REBUILD_TAG})"

@@ -300,3 +300,87 @@ def test_cuda_training_matches_the_cpu_and_resumes_across_devices(tiny_target_di
 
     bf16 = train(tiny_target_dir, [str(feats)], tmp_path / "bf16", replace(cfg, device="cuda", dtype="auto"))
     assert bf16["compute_dtype"] == "bfloat16" and bf16["steps"] == cpu["steps"]
+
+
+def test_a_warm_start_keeps_the_trained_weights_and_moves_lm_head_rows_with_their_tokens(
+        tiny_target_dir, features, tmp_path):
+    """--init-from: the grown data's vocab differs from the one the head was trained on, so lm_head
+    rows follow their target token (a new token keeps the fresh init); every other weight is the
+    trained head's; the warm start is part of the run's identity (a resume with another refuses)."""
+    from eagle3_platform.draft.model import DraftConfig, build_draft, target_hf_config
+    from eagle3_platform.draft.vocab import check_vocab, load_vocab, save_vocab
+    from eagle3_platform.draft.warm_start import warm_start
+    from eagle3_platform.target import identity
+
+    cfg = replace(PRESETS["tiny"], epochs=1, num_threads=1)
+    first = tmp_path / "first"
+    train(tiny_target_dir, [str(features[0])], first, cfg)
+    expect, V = identity(tiny_target_dir), target_hf_config(tiny_target_dir)["vocab_size"]
+    # the grown data's vocab: half the trained one's tokens, half others (ids sorted, as built)
+    trained = load_vocab(first / "vocab.safetensors")[0]
+    trained_ids = trained + torch.arange(trained.numel())
+    others = torch.tensor([i for i in range(V) if i not in set(trained_ids.tolist())][:trained.numel() // 2])
+    ids = torch.cat([trained_ids[::2], others]).sort().values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[ids] = True
+    check_vocab(ids - torch.arange(ids.numel()), t2d)
+    save_vocab(tmp_path / "other.safetensors", ids - torch.arange(ids.numel()), t2d, {})
+    d2t, t2d, _ = load_vocab(tmp_path / "other.safetensors")
+
+    def fresh():
+        torch.manual_seed(cfg.seed)
+        return build_draft(tiny_target_dir, DraftConfig.from_target(
+            target_hf_config(tiny_target_dir), d2t.numel(), expect["capture_layer_ids"]), False, d2t, t2d)
+
+    init, warm = fresh(), fresh()
+    info = warm_start(warm, first, expect)
+    old = load_file(str(first / "draft.safetensors"))
+    assert info["lm_head_rows_kept"] > 0 and info["lm_head_rows_new"] > 0
+    assert info["lm_head_rows_kept"] + info["lm_head_rows_new"] == d2t.numel()
+    for name, t in warm.head_state_dict().items():
+        if name not in ("lm_head.weight", "d2t", "t2d"):
+            torch.testing.assert_close(t, old[name], msg=name)
+    torch.testing.assert_close(warm.d2t, d2t.long())  # this run's vocab, not the old one
+    old_ids = (old["d2t"].long() + torch.arange(old["d2t"].numel())).tolist()
+    new_ids = warm.to_target_ids(torch.arange(d2t.numel())).tolist()
+    for row, tok in enumerate(new_ids):
+        want = old["lm_head.weight"][old_ids.index(tok)] if tok in old_ids else init.lm_head.weight[row]
+        torch.testing.assert_close(warm.lm_head.weight[row], want, msg=f"row {row}, token {tok}")
+
+    # through train(): recorded, resumable, and a resume from another start refuses
+    out = tmp_path / "warm"
+    s = train(tiny_target_dir, [str(features[0])], out, replace(cfg, max_steps=2), vocab_path=tmp_path /
+              "other.safetensors", init_from=first)
+    assert s["warm_start"]["lm_head_rows_kept"] == info["lm_head_rows_kept"]
+    assert train(tiny_target_dir, [str(features[0])], out, replace(cfg, max_steps=2), resume=True,
+                 vocab_path=tmp_path / "other.safetensors", init_from=first)["resumed_from"] == 2
+    with pytest.raises(ValueError, match="written for a different run"):
+        train(tiny_target_dir, [str(features[0])], out, replace(cfg, max_steps=2), resume=True,
+              vocab_path=tmp_path / "other.safetensors")
+
+
+def test_a_warm_start_refuses_a_head_for_another_target_or_geometry(tiny_target_dir, features, tmp_path):
+    cfg = replace(PRESETS["tiny"], epochs=1, num_threads=1, max_steps=1)
+    first = tmp_path / "first"
+    train(tiny_target_dir, [str(features[0])], first, cfg)
+    meta = json.loads((first / "draft_config.json").read_text())
+    with pytest.raises(FileNotFoundError, match="not a draft dir"):
+        train(tiny_target_dir, [str(features[0])], tmp_path / "a", cfg, init_from=tmp_path)
+    (first / "draft_config.json").write_text(json.dumps({**meta, "target": {**meta["target"], "sha256": "x"}}))
+    with pytest.raises(ValueError, match="another target"):
+        train(tiny_target_dir, [str(features[0])], tmp_path / "b", cfg, init_from=first)
+    bigger = {**meta["draft"], "intermediate_size": meta["draft"]["intermediate_size"] * 2}
+    (first / "draft_config.json").write_text(json.dumps({**meta, "draft": bigger}))
+    with pytest.raises(ValueError, match="geometry differs.*intermediate_size"):
+        train(tiny_target_dir, [str(features[0])], tmp_path / "c", cfg, init_from=first)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_training_keeps_every_conversation_its_preset_regenerates_whole(preset):
+    """Samples are truncated to max_len from the front, and a conversation ends with its response:
+    a max_len below regeneration's max_length cuts responses off (the tiny pipeline's head once saw
+    no response position at all)."""
+    from eagle3_platform.data.regenerate import PRESETS as REGEN
+    from eagle3_platform.features.extract import PRESETS as FEATURES
+
+    assert PRESETS[preset].max_len >= REGEN[preset].max_length <= FEATURES[preset].max_length

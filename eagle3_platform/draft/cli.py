@@ -14,6 +14,7 @@ def _train(args) -> dict:
 
     out = run(TrainRequest(target=args.target, features=_dirs(args.features), out=args.out, preset=args.preset,
                            eval_features=_dirs(args.eval_features), vocab=args.vocab, resume=args.resume,
+                           init_from=args.init_from,
                            max_steps=args.max_steps, epochs=args.epochs, seed=args.seed,
                            ckpt_every=args.ckpt_every, supervise=args.supervise,
                            feature_noise=args.feature_noise, dtype=args.dtype,
@@ -43,6 +44,9 @@ def add_commands(sub) -> None:
     p.add_argument("--out", required=True, help="draft dir (checkpoints + draft.safetensors)")
     add_preset_arg(p)
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    p.add_argument("--init-from", default=None,
+                   help="a draft dir written by `eagle3 train` to start from (warm start: same target and "
+                        "head geometry; lm_head rows follow their tokens into this run's vocab)")
     p.add_argument("--eval-features", default="", help="held-out feature dir(s), comma-separated")
     p.add_argument("--vocab", default=None, help="draft vocab file (default: built from --features)")
     p.add_argument("--max-steps", type=int, default=None)

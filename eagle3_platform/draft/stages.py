@@ -25,6 +25,7 @@ class TrainRequest(ComputeRequest):
     eval_features: list[str] = []  # held-out feature dirs
     vocab: str | None = None  # None: built from the features
     resume: bool = False  # continue from the checkpoint in out
+    init_from: str | None = None  # a trained draft dir to start from (warm_start) instead of a fresh init
     max_steps: int | None = optional_count()
     epochs: int | None = optional_count()
     seed: int | None = None
@@ -72,7 +73,7 @@ def run_train(req: TrainRequest) -> dict:
 
     output_dir(req.out)
     return train(req.target, distinct_dirs(req.features), req.out, train_config(req), resume=req.resume,
-                 eval_dirs=distinct_dirs(req.eval_features), vocab_path=req.vocab)
+                 eval_dirs=distinct_dirs(req.eval_features), vocab_path=req.vocab, init_from=req.init_from)
 
 
 def run_export(req: ExportRequest) -> dict:

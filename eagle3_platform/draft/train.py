@@ -36,6 +36,7 @@ from eagle3_platform.draft.model import DraftConfig, Eagle3Draft, build_draft, t
     target_hf_config
 from eagle3_platform.draft.ttt import TargetTop1, TTTLoss, batch_targets, collate, real_positions, step_masks
 from eagle3_platform.draft.vocab import load_vocab, save_vocab, vocab_from_features
+from eagle3_platform.draft.warm_start import warm_start
 from eagle3_platform.records import atomic_write, write_json_atomic
 
 DRAFT_WEIGHTS, DRAFT_CONFIG, METRICS, VOCAB = "draft.safetensors", "draft_config.json", "metrics.json", \
@@ -82,6 +83,10 @@ class TrainConfig:
     # every epoch see other features. Seeded per step, so a resumed run draws the same noise. 0 = off.
     feature_noise: float = 0.0
     device: str = "auto"               # "auto" = cuda when available, else cpu (train_device)
+    # epochs of a pipeline run that starts from the published head (warm_start) because the data grew;
+    # 0 = the pipeline always trains from scratch. Not part of a run's fingerprint: `epochs` is what
+    # the run trains, and the pipeline passes this as `epochs` when it warm-starts.
+    warm_start_epochs: int = 0
 
     def __post_init__(self):
         if self.supervise not in SUPERVISE:
@@ -92,15 +97,17 @@ class TrainConfig:
 
 SUPERVISE = ("response", "all")
 RUN_PLACEMENT = ("num_threads", "device")  # where a run computes, not what: a resume may change them
+NOT_FINGERPRINTED = (*RUN_PLACEMENT, "warm_start_epochs")  # nor what a run trains (see warm_start_epochs)
 # TrainConfig fields added after checkpoints were already being written, with the value those
 # checkpoints trained with: a resume across the upgrade matches on it instead of refusing
 LATER_SETTINGS = {"supervise": "response", "feature_noise": 0.0}
 
 PRESETS: dict[str, TrainConfig] = {
-    # unit tests: seconds on the tiny target
+    # unit tests: seconds on the tiny target; max_len 512 holds the tiny pipeline's conversations whole
+    # (~250-450 tokens, the response last: at 128 its head saw no response position and never trained)
     "tiny": TrainConfig(ttt_steps=3, draft_vocab_size=64, lr=1e-3, warmup_ratio=0.2, batch_tokens=256,
-                        max_len=128, epochs=2, ckpt_every=2, log_every=1, eval_samples=8,
-                        dtype="float32"),
+                        max_len=512, epochs=2, ckpt_every=2, log_every=1, eval_samples=8,
+                        dtype="float32", warm_start_epochs=1),
     # embedded default run on 2 CPU cores, a few thousand tokens, a few minutes: K=4 instead of 7 (about
     # half the cost per token; steps 5-7 add little to acceptance at this data size); lr 1e-3 because
     # a few dozen steps at the public 1e-4 barely move a fresh head (1e-4 assumes ~10^5 steps);
@@ -120,9 +127,12 @@ PRESETS: dict[str, TrainConfig] = {
     # (session 36, scripts/bench_scaling.py --overrides). On all 243k tokens (801 steps) it was neutral:
     # held-out 1.450 with and without, tau chain 1.40 vs 1.38, tree 1.67 vs 1.69 (24 MT-bench prompts,
     # session 37); kept, as it helps where a run gathers less data
+    # warm_start_epochs 1: session 37's head (243k tokens, 6 epochs) + 1 epoch over 2.3x the data
+    # (569k) matched 3 epochs from scratch on it (held-out 1.505 vs 1.497, tau chain 1.46 vs 1.44,
+    # tree 1.74 vs 1.78, 24 MT-bench prompts) in a third of the steps (287 vs 861; session 39)
     "cpu": TrainConfig(ttt_steps=2, draft_vocab_size=8192, lr=1e-3, warmup_ratio=0.03,
                        batch_tokens=4096, max_len=2048, epochs=6, ckpt_every=20, log_every=10,
-                       eval_samples=128, feature_noise=0.2),
+                       eval_samples=128, feature_noise=0.2, warm_start_epochs=1),
     # real training (GPU / many cores): the public EAGLE-3 / SpecForge recipe
     "full": TrainConfig(ttt_steps=7, draft_vocab_size=32000, lr=1e-4, warmup_ratio=0.03,
                         batch_tokens=16384, max_len=4096, epochs=10, ckpt_every=500, log_every=50,
@@ -327,9 +337,9 @@ def _log(msg: str) -> None:
 
 
 def prepare(target_dir, feature_dirs, out_dir: Path, cfg: TrainConfig, vocab_path, rank: int,
-            device: torch.device = torch.device("cpu")):
-    """Datasets, vocab, draft model (seeded init on the CPU, then moved), frozen target lm_head, both
-    on `device`."""
+            device: torch.device = torch.device("cpu"), init_from=None):
+    """Datasets, vocab, draft model (seeded init on the CPU, or a trained head's weights with
+    `init_from`, then moved), frozen target lm_head, both on `device`."""
     from eagle3_platform.features.shards import ShardDataset
     from eagle3_platform.target import identity
 
@@ -345,15 +355,20 @@ def prepare(target_dir, feature_dirs, out_dir: Path, cfg: TrainConfig, vocab_pat
             save_vocab(out_dir / VOCAB, d2t, t2d, vstats)
     dcfg = DraftConfig.from_target(hf, d2t.numel(), expect["capture_layer_ids"])
     torch.manual_seed(cfg.seed)
-    draft = build_draft(target_dir, dcfg, cfg.init_from_target, d2t, t2d).to(device)
+    draft = build_draft(target_dir, dcfg, cfg.init_from_target, d2t, t2d)
+    warm = warm_start(draft, init_from, expect) if init_from else {}
+    if warm:
+        _log(f"warm start from {init_from}: {warm['lm_head_rows_kept']} lm_head rows kept, "
+             f"{warm['lm_head_rows_new']} new")
     lm_head = target_head_weights(target_dir)["lm_head"].float().to(device)   # [V,H] frozen teacher head
-    return ds, draft, lm_head, vstats, expect
+    return ds, draft.to(device), lm_head, vstats, expect, warm
 
 
 def train(target_dir, feature_dirs, out_dir, cfg: TrainConfig, resume: bool = False,
-          eval_dirs=(), vocab_path=None) -> dict:
+          eval_dirs=(), vocab_path=None, init_from=None) -> dict:
     """Train a head on the feature dirs; writes out_dir/{draft.safetensors, draft_config.json,
-    metrics.json, vocab.safetensors}; returns the summary (also metrics.json)."""
+    metrics.json, vocab.safetensors}; returns the summary (also metrics.json). `init_from`: a draft
+    dir to start from instead of a fresh init (warm_start)."""
     from tqdm import tqdm
 
     target_dir, out_dir = Path(target_dir), Path(out_dir)
@@ -366,7 +381,8 @@ def train(target_dir, feature_dirs, out_dir, cfg: TrainConfig, resume: bool = Fa
         torch.cuda.set_device(device)
     rank, world = dist_setup(device)
     out_dir.mkdir(parents=True, exist_ok=True)
-    ds, draft, lm_head, vstats, expect = prepare(target_dir, feature_dirs, out_dir, cfg, vocab_path, rank, device)
+    ds, draft, lm_head, vstats, expect, warm = prepare(target_dir, feature_dirs, out_dir, cfg, vocab_path, rank,
+                                                       device, init_from)
     plan = batch_plan(ds.sample_lengths(), cfg)
     total = len(plan)
     if not total:  # 0 steps would write an untrained head and report success
@@ -376,8 +392,9 @@ def train(target_dir, feature_dirs, out_dir, cfg: TrainConfig, resume: bool = Fa
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     # what determines the weights (thread count and device do not: they may change, and resume still works)
     fingerprint = {"feature_dirs": feature_dirs, "samples": len(ds), "data_sha256": ds.content_sha256(),
-                   "train": {k: v for k, v in _cfg_dict(cfg).items() if k not in RUN_PLACEMENT},
-                   "target": expect, "total_steps": total}
+                   "train": {k: v for k, v in _cfg_dict(cfg).items() if k not in NOT_FINGERPRINTED},
+                   "target": expect, "total_steps": total,
+                   **({"init_sha256": warm["init_sha256"]} if warm else {})}
     start, history = _maybe_resume(out_dir, resume, draft, opt, fingerprint)
     # resolved after the fingerprint: `auto` stays the setting (a resumed run may compute otherwise)
     run_cfg = replace(cfg, dtype=resolve_dtype(cfg.dtype, device.type, work="dense"))
@@ -409,9 +426,10 @@ def train(target_dir, feature_dirs, out_dir, cfg: TrainConfig, resume: bool = Fa
                                                       "fingerprint": fingerprint})
             barrier()
     wall = time.time() - t0
-    summary = {"out_dir": str(out_dir), "steps": total, "resumed_from": start, "world_size": world,
+    summary = {"out_dir": str(out_dir), "steps": total, "epochs": cfg.epochs, "resumed_from": start, "world_size": world,
                "train_tokens": tokens, "train_tokens_per_s": tokens / wall if wall and tokens else None,
-               "vocab": vstats, "history": history, "compute_dtype": run_cfg.dtype, "device": device.type}
+               "vocab": vstats, "history": history, "compute_dtype": run_cfg.dtype, "device": device.type,
+               **({"warm_start": warm} if warm else {})}
     if rank == 0:
         summary.update(_final_eval(draft, ds, eval_dirs, expect, lm_head, run_cfg))
         _write_outputs(out_dir, draft, cfg, expect, feature_dirs, summary)
