@@ -14,7 +14,8 @@ from assets.metadata import REBUILD_TAG, last_metadata, summary_metadata
 from assets.partitions import Keys
 from assets.versions import code_version, settings_blob
 from eagle3_platform.draft.stages import ExportRequest, TrainRequest, VocabRequest
-from eagle3_platform.draft.warm_start import CONFIG, WEIGHTS, init_sha256
+from eagle3_platform.draft.model import DRAFT_CONFIG, DRAFT_WEIGHTS
+from eagle3_platform.draft.warm_start import init_sha256
 from resources import ComputeResource, PresetResource, StorageResource, TargetResource
 
 VOCAB_FILE = "vocab.safetensors"
@@ -115,7 +116,7 @@ def _warm_start_from(context, storage: StorageResource, preset: PresetResource, 
         return None, "code or settings changed since the last build"
     if last.get("inputs_sha256") == inputs:
         return None, "the published head was trained on these inputs"
-    files = [f"{Keys.DRAFT}/{name}" for name in (WEIGHTS, CONFIG)]
+    files = [f"{Keys.DRAFT}/{name}" for name in (DRAFT_WEIGHTS, DRAFT_CONFIG)]
     if not all(storage.exists(f) for f in files):
         return None, "the published head is gone"
     return [storage.fetch(f) for f in files][0].parent, ""

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3_platform.draft.model import DraftConfig, Eagle3Draft, build_draft
+from eagle3_platform.draft.model import DraftConfig, Eagle3Draft, build_draft, read_draft_dir
 from eagle3_platform.draft.vocab import check_vocab
 
 ARCH = "LlamaForCausalLMEagle3"
@@ -125,17 +125,11 @@ def _refuse_unusable(draft_dir: Path, sd: dict[str, torch.Tensor]) -> None:
 
 def export_draft(draft_dir, out_dir, dtype: str = "bfloat16") -> dict:
     """draft_dir (train output) → out_dir with config.json + model.safetensors (SGLang Eagle3 format)."""
-    from eagle3_platform.draft.train import DRAFT_CONFIG, DRAFT_WEIGHTS
-
     draft_dir, out_dir = Path(draft_dir), Path(out_dir)
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"export dtype {dtype!r} not in {sorted(EXPORT_DTYPES)}")
-    for f in (DRAFT_CONFIG, DRAFT_WEIGHTS):
-        if not (draft_dir / f).exists():
-            raise FileNotFoundError(f"{draft_dir / f} missing (is {draft_dir} a trained draft dir?)")
-    meta = json.loads((draft_dir / DRAFT_CONFIG).read_text())
+    meta, sd = read_draft_dir(draft_dir)
     cfg = DraftConfig.from_dict(meta["draft"])
-    sd = load_file(str(draft_dir / DRAFT_WEIGHTS))
     _refuse_unusable(draft_dir, sd)
     tensors = {n: (t if t.dtype in (torch.int64, torch.bool) else t.to(EXPORT_DTYPES[dtype])).contiguous()
                for n, t in sd.items()}

@@ -21,6 +21,7 @@ from torch import nn
 from eagle3_platform.attention import MAX_GROUPED_QUERY, grouped_attention
 
 DEFAULT_ROPE_THETA = 10000.0
+DRAFT_WEIGHTS, DRAFT_CONFIG = "draft.safetensors", "draft_config.json"  # a trained draft dir (train.save_draft_dir)
 
 
 @dataclass(frozen=True)
@@ -327,6 +328,18 @@ def build_draft(target_dir: str | Path, cfg: DraftConfig, init_from_target: bool
             if tw["norm"] is not None:
                 model.norm.weight.copy_(tw["norm"].float())
     return model
+
+
+def read_draft_dir(draft_dir) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(draft_config.json: {"draft": DraftConfig, "target": identity, ...}, head weights) of a draft dir
+    written by `eagle3 train`."""
+    from safetensors.torch import load_file
+
+    draft_dir = Path(draft_dir)
+    for f in (DRAFT_CONFIG, DRAFT_WEIGHTS):
+        if not (draft_dir / f).exists():
+            raise FileNotFoundError(f"{draft_dir / f} missing (is {draft_dir} a trained draft dir?)")
+    return json.loads((draft_dir / DRAFT_CONFIG).read_text()), load_file(str(draft_dir / DRAFT_WEIGHTS))
 
 
 def param_count(model: nn.Module) -> int:

@@ -32,15 +32,14 @@ from safetensors.torch import load_file, save_file
 
 from eagle3_platform.compute import autocast, resolve_device, resolve_dtype, set_threads
 from eagle3_platform.draft.metrics import simulated_acceptance
-from eagle3_platform.draft.model import DraftConfig, Eagle3Draft, build_draft, target_head_weights, \
-    target_hf_config
+from eagle3_platform.draft.model import DRAFT_CONFIG, DRAFT_WEIGHTS, DraftConfig, Eagle3Draft, build_draft, \
+    read_draft_dir, target_head_weights, target_hf_config
 from eagle3_platform.draft.ttt import TargetTop1, TTTLoss, batch_targets, collate, real_positions, step_masks
 from eagle3_platform.draft.vocab import load_vocab, save_vocab, vocab_from_features
 from eagle3_platform.draft.warm_start import warm_start
 from eagle3_platform.records import atomic_write, write_json_atomic
 
-DRAFT_WEIGHTS, DRAFT_CONFIG, METRICS, VOCAB = "draft.safetensors", "draft_config.json", "metrics.json", \
-    "vocab.safetensors"
+METRICS, VOCAB = "metrics.json", "vocab.safetensors"
 CKPT = "checkpoint"
 
 
@@ -519,8 +518,7 @@ def _write_outputs(out_dir: Path, draft: Eagle3Draft, cfg: TrainConfig, expect: 
 
 def load_draft_dir(draft_dir, target_dir) -> Eagle3Draft:
     """A trained head (draft.safetensors + draft_config.json) with the target's embedding."""
-    draft_dir = Path(draft_dir)
-    meta = json.loads((draft_dir / DRAFT_CONFIG).read_text())
+    meta, sd = read_draft_dir(draft_dir)
     draft = build_draft(target_dir, DraftConfig.from_dict(meta["draft"]), init_from_target=False)
-    draft.load_head_state_dict(load_file(str(draft_dir / DRAFT_WEIGHTS)))
+    draft.load_head_state_dict(sd)
     return draft.eval()

@@ -8,34 +8,27 @@ a token in both vocabularies keeps its trained row, a new token keeps the fresh 
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
-from eagle3_platform.draft.model import DraftConfig, Eagle3Draft
+from eagle3_platform.draft.model import DRAFT_WEIGHTS, DraftConfig, Eagle3Draft, read_draft_dir
 
-WEIGHTS, CONFIG = "draft.safetensors", "draft_config.json"  # the files train.save_draft_dir writes
 VOCAB_KEYS = ("lm_head.weight", "d2t", "t2d")  # matched by token id, not copied
 
 
 def init_sha256(init_dir) -> str:
     """Identity of a warm start (its weights file): part of a training run's fingerprint."""
-    return hashlib.sha256((Path(init_dir) / WEIGHTS).read_bytes()).hexdigest()
+    return hashlib.sha256((Path(init_dir) / DRAFT_WEIGHTS).read_bytes()).hexdigest()
 
 
 def read_init(init_dir, expect: dict) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
     """(config, head weights) of a trained draft dir, checked against the target identity `expect`."""
-    init_dir = Path(init_dir)
-    if not (init_dir / WEIGHTS).is_file() or not (init_dir / CONFIG).is_file():
-        raise FileNotFoundError(f"--init-from {init_dir}: not a draft dir written by `eagle3 train` "
-                                f"(needs {WEIGHTS} and {CONFIG})")
-    meta = json.loads((init_dir / CONFIG).read_text())
+    meta, sd = read_draft_dir(init_dir)
     if meta.get("target") != expect:
         raise ValueError(f"--init-from {init_dir} was trained for another target or capture layers "
                          f"({(meta.get('target') or {}).get('sha256', '?')[:12]}); a warm start needs the same one")
-    return DraftConfig.from_dict(meta["draft"]), load_file(str(init_dir / WEIGHTS))
+    return DraftConfig.from_dict(meta["draft"]), sd
 
 
 def warm_start(draft: Eagle3Draft, init_dir, expect: dict) -> dict:
