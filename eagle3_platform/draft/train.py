@@ -279,7 +279,7 @@ def _maybe_resume(out_dir: Path, resume: bool, draft, opt, fingerprint: dict) ->
     ckpt = find_checkpoint(out_dir) if resume else None
     if ckpt is None:
         if resume:
-            _log(f"no checkpoint in {out_dir}; starting from scratch")
+            _log(f"no checkpoint in {out_dir}; starting at step 0")
         return 0, []
     try:
         state = load_checkpoint(ckpt, draft, opt)
