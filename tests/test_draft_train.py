@@ -366,7 +366,7 @@ def test_a_warm_start_refuses_a_head_for_another_target_or_geometry(tiny_target_
     meta = json.loads((first / "draft_config.json").read_text())
     with pytest.raises(FileNotFoundError, match="a trained draft dir"):
         train(tiny_target_dir, [str(features[0])], tmp_path / "a", cfg, init_from=tmp_path)
-    (first / "draft_config.json").write_text(json.dumps({**meta, "target": {**meta["target"], "sha256": "x"}}))
+    (first / "draft_config.json").write_text(json.dumps({**meta, "target": {**meta["target"], "weights_hash": "x"}}))
     with pytest.raises(ValueError, match="another target"):
         train(tiny_target_dir, [str(features[0])], tmp_path / "b", cfg, init_from=first)
     bigger = {**meta["draft"], "intermediate_size": meta["draft"]["intermediate_size"] * 2}

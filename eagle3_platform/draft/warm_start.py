@@ -27,7 +27,7 @@ def read_init(init_dir, expect: dict) -> tuple[DraftConfig, dict[str, torch.Tens
     meta, sd = read_draft_dir(init_dir)
     if meta.get("target") != expect:
         raise ValueError(f"--init-from {init_dir} was trained for another target or capture layers "
-                         f"({(meta.get('target') or {}).get('sha256', '?')[:12]}); a warm start needs the same one")
+                         f"(weights {(meta.get('target') or {}).get('weights_hash', '?')[:12]}); a warm start needs the same one")
     return DraftConfig.from_dict(meta["draft"]), sd
 
 
@@ -40,8 +40,10 @@ def warm_start(draft: Eagle3Draft, init_dir, expect: dict) -> dict:
     if geometry(cfg) != geometry(draft.cfg):
         diff = sorted(k for k, v in geometry(cfg).items() if geometry(draft.cfg).get(k) != v)
         raise ValueError(f"--init-from {init_dir}: head geometry differs ({', '.join(diff)})")
+    own = draft.head_state_dict()
+    if set(sd) != set(own):
+        raise ValueError(f"--init-from {init_dir}: other tensors ({sorted(set(sd) ^ set(own))})")
     with torch.no_grad():
-        own = draft.head_state_dict()
         for name, t in sd.items():
             if name not in VOCAB_KEYS:
                 own[name].copy_(t)
