@@ -119,7 +119,8 @@ def _warm_start_from(context, storage: StorageResource, preset: PresetResource, 
     files = [f"{Keys.DRAFT}/{name}" for name in (DRAFT_WEIGHTS, DRAFT_CONFIG)]
     if not all(storage.exists(f) for f in files):
         return None, "the published head is gone"
-    return [storage.fetch(f) for f in files][0].parent, ""
+    weights, _ = (storage.fetch(f) for f in files)  # both land in one local dir (a bucket's: a cache)
+    return weights.parent, ""
 
 
 def loss_table(history: list[dict], rows: int = 12) -> str:

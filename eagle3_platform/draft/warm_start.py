@@ -7,19 +7,19 @@ a token in both vocabularies keeps its trained row, a new token keeps the fresh 
 """
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import torch
 
 from eagle3_platform.draft.model import DRAFT_WEIGHTS, DraftConfig, Eagle3Draft, read_draft_dir
+from eagle3_platform.records import sha256_file
 
 VOCAB_KEYS = ("lm_head.weight", "d2t", "t2d")  # matched by token id, not copied
 
 
 def init_sha256(init_dir) -> str:
     """Identity of a warm start (its weights file): part of a training run's fingerprint."""
-    return hashlib.sha256((Path(init_dir) / DRAFT_WEIGHTS).read_bytes()).hexdigest()
+    return sha256_file(Path(init_dir) / DRAFT_WEIGHTS)
 
 
 def read_init(init_dir, expect: dict) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
