@@ -94,8 +94,8 @@ def draft_head(context: AssetExecutionContext, storage: StorageResource, target:
         "export_uri": MetadataValue.path(export_uri), "checkpoint_uri": MetadataValue.path(ckpt_uri),
         "loss_curve": MetadataValue.md(loss_table(summary.get("history") or [])),
         **summary_metadata({k: v for k, v in summary.items()
-                            if k in ("steps", "epochs", "train_tokens", "train_tokens_per_s", "resumed_from", "compute_dtype",
-                                     "device")}),
+                            if k in ("steps", "epochs", "samples", "samples_left_out", "train_tokens",
+                                     "train_tokens_per_s", "resumed_from", "compute_dtype", "device")}),
         **summary_metadata({k: v for k, v in exported.items() if k != "export_dir"}, prefix="export_")})
 
 

@@ -379,6 +379,7 @@ def test_a_head_on_grown_data_starts_from_the_published_head(tmp_path, tiny_targ
     run(data, res, instance, WORKLOAD)
     first = meta(run(["draft_vocab", "draft_head"], res, instance), "draft_head")
     assert first["warm_start"] == "no: the first build" and first["epochs"] == PRESETS["tiny"].epochs
+    assert first["samples"] > 0 and first["samples_left_out"] == 0   # every conversation fits max_len
     published = sha256_file(storage.fetch(f"{Keys.DRAFT}/draft.safetensors"))
 
     res["preset"] = PresetResource(name="tiny", prompts_per_workload=16)

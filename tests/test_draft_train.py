@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from eagle3_platform.testing.synthetic import target_features
 from eagle3_platform.draft import train as train_mod
 from eagle3_platform.draft.train import (PRESETS, TrainConfig, batch_plan, epoch_batches, lr_at, noisy_features,
-                                        train)
+                                        train, trainable_lengths)
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -384,3 +384,27 @@ def test_training_keeps_every_conversation_its_preset_regenerates_whole(preset):
     from eagle3_platform.features.extract import PRESETS as FEATURES
 
     assert PRESETS[preset].max_len >= REGEN[preset].max_length <= FEATURES[preset].max_length
+
+
+def test_samples_with_no_response_within_max_len_are_left_out_and_counted(tiny_target_dir, features, tmp_path):
+    """A sample whose response starts past max_len costs a forward and supervises nothing: it is left
+    out of the plan and counted; when that is every sample, training refuses instead of "succeeding"
+    on zero-loss steps with an untrained head (the tiny pipeline's head once did)."""
+    from eagle3_platform.features.shards import ShardDataset
+
+    ds = ShardDataset([features[0]])
+    cfg = replace(PRESETS["tiny"], max_len=8)
+    starts = [int(m.nonzero()[0]) for m in ds.loss_masks()]       # first response position per sample
+    assert [len(m) for m in ds.loss_masks()] == ds.sample_lengths()
+    lengths, left_out = trainable_lengths(ds, cfg)
+    assert 0 < left_out < len(ds) and left_out == sum(s >= cfg.max_len for s in starts)
+    assert [n == 0 for n in lengths] == [s >= cfg.max_len for s in starts]
+    assert {i for b in batch_plan(lengths, cfg) for i in b} == {i for i, n in enumerate(lengths) if n}
+    assert trainable_lengths(ds, replace(cfg, supervise="all"))[1] == 0   # prompt positions count there
+
+    summary = train(tiny_target_dir, [features[0]], tmp_path / "some", cfg)
+    assert summary["samples"] == len(ds) and summary["samples_left_out"] == left_out
+    assert (tmp_path / "some" / "draft.safetensors").exists()
+    with pytest.raises(ValueError, match="none of the 12 samples .* within max_len=4"):
+        train(tiny_target_dir, [features[0]], tmp_path / "none", replace(cfg, max_len=4))
+    assert not (tmp_path / "none" / "draft.safetensors").exists()

@@ -188,11 +188,14 @@ def epoch_batches(lengths: list[int], cfg: TrainConfig, epoch: int) -> list[list
     each window sorted by length and packed greedily to batch_tokens, then the batches shuffled.
     Why sort: batches are padded to their longest sample, and a random mix of 150- and 1500-token
     samples pads ~2x the positions (2.7x the attention); sorted windows keep the mix random across
-    steps while every batch holds similar lengths (the idea of HF's LengthGroupedSampler)."""
+    steps while every batch holds similar lengths (the idea of HF's LengthGroupedSampler).
+    A sample of length 0 (trainable_lengths: nothing to supervise) is left out."""
     g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
     n_of = lambda i: min(lengths[i], cfg.max_len)
     windows, cur, cur_tokens = [], [], 0
     for i in torch.randperm(len(lengths), generator=g).tolist():
+        if not lengths[i]:  # after the draw: leaving a sample out keeps every other run's plan
+            continue
         cur.append(i)
         cur_tokens += n_of(i)
         if cur_tokens >= LENGTH_GROUP_BATCHES * cfg.batch_tokens:
@@ -210,6 +213,18 @@ def epoch_batches(lengths: list[int], cfg: TrainConfig, epoch: int) -> list[list
             cur_tokens += n_of(i)
         batches += [cur] if cur else []
     return [batches[j] for j in torch.randperm(len(batches), generator=g).tolist()]
+
+
+def trainable_lengths(ds, cfg: TrainConfig) -> tuple[list[int], int]:
+    """Every sample's token count, 0 where training has nothing to supervise in its first max_len
+    tokens (the response starts past max_len: a forward that teaches nothing), and how many those are.
+    Step 0 supervises position t iff mask[t+2] (ttt.step_masks), so a sample counts iff any(mask[2:max_len])."""
+    lengths = ds.sample_lengths()
+    if cfg.supervise == "all":
+        keep = [n > 2 for n in lengths]
+    else:
+        keep = [bool(m[2:cfg.max_len].any()) for m in ds.loss_masks()]
+    return [n if k else 0 for n, k in zip(lengths, keep)], keep.count(False)
 
 
 def batch_plan(lengths: list[int], cfg: TrainConfig) -> list[list[int]]:
@@ -382,7 +397,14 @@ def train(target_dir, feature_dirs, out_dir, cfg: TrainConfig, resume: bool = Fa
     out_dir.mkdir(parents=True, exist_ok=True)
     ds, draft, lm_head, vstats, expect, warm = prepare(target_dir, feature_dirs, out_dir, cfg, vocab_path, rank,
                                                        device, init_from)
-    plan = batch_plan(ds.sample_lengths(), cfg)
+    lengths, left_out = trainable_lengths(ds, cfg)
+    if left_out and left_out == len(ds):  # a run of zero-loss steps would leave the head untrained
+        raise ValueError(f"nothing to train: none of the {len(ds)} samples in {', '.join(feature_dirs)} has a "
+                         f"response token within max_len={cfg.max_len}; raise max_len (the features hold "
+                         f"up to {ds.header.get('max_length')} tokens a sample)")
+    if left_out:
+        _log(f"{left_out} of {len(ds)} samples have no response token within max_len={cfg.max_len}: left out")
+    plan = batch_plan(lengths, cfg)
     total = len(plan)
     if not total:  # 0 steps would write an untrained head and report success
         raise ValueError(f"nothing to train: {len(ds)} samples in {', '.join(feature_dirs)} give 0 "
@@ -426,6 +448,7 @@ def train(target_dir, feature_dirs, out_dir, cfg: TrainConfig, resume: bool = Fa
             barrier()
     wall = time.time() - t0
     summary = {"out_dir": str(out_dir), "steps": total, "epochs": cfg.epochs, "resumed_from": start, "world_size": world,
+               "samples": len(ds), "samples_left_out": left_out,
                "train_tokens": tokens, "train_tokens_per_s": tokens / wall if wall and tokens else None,
                "vocab": vstats, "history": history, "compute_dtype": run_cfg.dtype, "device": device.type,
                **({"warm_start": warm} if warm else {})}

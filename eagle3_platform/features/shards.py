@@ -17,7 +17,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import polars as pl
 import torch
@@ -365,3 +365,9 @@ class ShardDataset(torch.utils.data.Dataset):
             self._handle(k)
             out += torch.diff(self._offsets[k]).tolist()
         return out
+
+    def loss_masks(self) -> Iterator[torch.Tensor]:
+        """Every sample's loss_mask (uint8 [T]), in order; reads one small tensor per shard."""
+        for k in range(len(self._shards)):
+            mask = self._handle(k).get_tensor("loss_mask")  # [N]
+            yield from torch.tensor_split(mask, self._offsets[k][1:-1])
