@@ -218,12 +218,14 @@ def epoch_batches(lengths: list[int], cfg: TrainConfig, epoch: int) -> list[list
 def trainable_lengths(ds, cfg: TrainConfig) -> tuple[list[int], int]:
     """Every sample's token count, 0 where training has nothing to supervise in its first max_len
     tokens (the response starts past max_len: a forward that teaches nothing), and how many those are.
-    Step 0 supervises position t iff mask[t+2] (ttt.step_masks), so a sample counts iff any(mask[2:max_len])."""
+    A sample counts iff step 0 supervises some position of it (ttt.step_masks; later steps see less)."""
     lengths = ds.sample_lengths()
-    if cfg.supervise == "all":
-        keep = [n > 2 for n in lengths]
-    else:
-        keep = [bool(m[2:cfg.max_len].any()) for m in ds.loss_masks()]
+    masks = ((torch.ones(n) for n in lengths) if cfg.supervise == "all"  # as real_positions in _train_step
+             else ds.loss_masks())
+    keep = []
+    for m in masks:
+        m = m[None, :cfg.max_len].bool()  # [1,T] as collate cuts it
+        keep.append(bool(step_masks(m, torch.ones_like(m), 1)[0].any()))
     return [n if k else 0 for n, k in zip(lengths, keep)], keep.count(False)
 
 
