@@ -541,6 +541,37 @@ def test_real_engine_batched_requests_equal_each_alone(tiny_target_dir, tiny_exp
     assert info["draft_size_current"] in range(0, 12)
 
 
+def test_the_worker_hands_the_policy_each_steps_catch_up(tiny_target_dir, tiny_export):
+    """The worker passes the draft-size policy each step's catch-up of steps decoded plainly between
+    drafts (which it charges to returns to drafting, spec/policy.py): none at the request's first
+    draft (that backlog is its prompt) or while decoding plainly, their backlog at the next draft."""
+    from eagle3_platform.serve.server import build_engine
+    from eagle3_platform.serve.worker import EngineWorker, Job
+
+    class Scripted:  # a draft of 2, plain decoding for 3 steps, drafts again
+        def __init__(self):
+            self.seen = []
+
+        def choose(self, batch_size):
+            return 0 if len(self.seen) in (1, 2, 3) else 2
+
+        def observe(self, batch_size, k, seconds, accepted, drafted=None, catch_up_s=0.0):
+            self.seen.append((k, catch_up_s))
+
+    engine, target, _ = build_engine(tiny_target_dir, tiny_export, "chain", dtype="float32")
+    policy = Scripted()
+    worker = EngineWorker(engine, max_queue=4, policy=policy)
+    batch = engine.batch()
+    worker.submit(Job(target.tokenizer.encode("What is the capital of France?"), max_new_tokens=12,
+                      emit=lambda ev: None))
+    worker._pull(block=False)
+    worker._prefill(batch)
+    for _ in range(5):
+        worker._step(batch)
+    assert [k for k, _ in policy.seen] == [2, 0, 0, 0, 2]
+    assert [c for _, c in policy.seen[:4]] == [0.0] * 4 and policy.seen[4][1] > 0.0
+
+
 @pytest.mark.integration
 def test_real_server_subprocess_serves_and_exits_cleanly(tiny_target_dir, tiny_export, tmp_path):
     from eagle3_platform.serve.launch import start_embedded_server

@@ -126,8 +126,10 @@ def test_a_vanishing_temperature_decodes_greedily(target, refs):
 @torch.no_grad()
 def test_drafter_backlog_is_caught_up_apart_and_equals_one_append(target):
     """Steps verified without a draft leave the drafter a backlog (here the prompt + 3 steps). The
-    next drafting step appends it first, timed apart (Batch.catch_up_s: the server's policy does not
-    charge it to that step's draft size), and the drafter's cache equals one append of everything."""
+    next drafting step appends it first, timed apart (Batch.catch_up_s), and the drafter's cache
+    equals one append of everything. A later backlog, of steps decoded plainly between drafts, is also
+    reported apart from a prompt's (resume_catch_up_s: what the server's policy charges to a return to
+    drafting)."""
     from eagle3_platform.spec.drafter import EagleDrafter
 
     engine = SpecEngine(target, random_draft(target, 64), PRESETS["chain"])
@@ -146,8 +148,13 @@ def test_drafter_backlog_is_caught_up_apart_and_equals_one_append(target):
     assert r.drafter.n == ref.n  # the last chunk was appended by the step itself, after the backlog
     torch.testing.assert_close(r.drafter.k, ref.k, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(r.drafter.v, ref.v, atol=1e-5, rtol=1e-5)
+    assert batch.resume_catch_up_s == 0.0  # the prompt's backlog: the row's first draft
     batch.step(max_draft_tokens=2)
     assert batch.catch_up_s < 0.01 and len(r.drafter._queued) == 1  # steady drafting: no backlog
+    for _ in range(3):
+        batch.step(max_draft_tokens=0)
+    batch.step(max_draft_tokens=2)  # a return to drafting: the plain steps' backlog alone
+    assert batch.resume_catch_up_s == batch.catch_up_s > 0.0
 
 
 @pytest.mark.parametrize("grouped", [False, True])

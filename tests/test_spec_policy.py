@@ -223,3 +223,47 @@ def test_a_plain_cost_measured_while_the_machine_was_slow_is_forgotten(seed):
         chosen.append(k)
     assert chosen[-300:].count(0) >= 270
     assert abs(p.info()["plain_step_ms_by_batch"]["1"] - 30.0) < 3.0
+
+
+def test_a_new_batch_size_measures_plain_decoding_before_it_trusts_a_choice():
+    """Batch 1 drafts fully (verification nearly free); batch 2 arrives where every draft size is
+    slower than plain decoding. Plain decoding is measured as soon as batch 2's line is ready (its third
+    step), not at its first re-measure after explore_every steps of losing sizes, and then kept."""
+    p = DraftSizePolicy(k_max=4, explore_every=16)
+    _simulate(p, 1, lambda k: 0.030 + 0.001 * k, accept_depth=4, steps=40)
+    assert p.best(1) == 4
+    first = _simulate(p, 2, lambda k: 0.044 * (1 + 1.5 * k), accept_depth=1, steps=40)
+    assert first[:3] == [4, 3, 0] and first[-20:].count(0) >= 18
+    assert "2" in p.info()["plain_step_ms_by_batch"]
+
+
+def _simulate_switches(policy, cost, catch_up, steps):
+    """Batch 2, depth 1 accepted in one row of two, nothing deeper; a draft step after plain ones
+    first pays catch_up seconds (timed apart, as batch.py does). -> the draft sizes chosen."""
+    chosen = []
+    for _ in range(steps):
+        k = policy.choose(2)
+        after_plain = bool(chosen) and chosen[-1] == 0 and k > 0
+        policy.observe(2, k, cost(k), [min(k, 1), 0], [k, k], catch_up if after_plain else 0.0)
+        chosen.append(k)
+    return chosen
+
+
+@pytest.mark.parametrize("catch_up, drafts", [(0.0, True), (0.08, False)])
+def test_a_draft_size_pays_the_head_catch_up_after_plain_steps(catch_up, drafts):
+    """Plain decoding is the choice (drafts were dear), then a 1-token draft becomes 3.9% faster in
+    steady state (2 · 1.5 tokens for 1.444x a plain step); drafting again after plain steps first
+    costs the head's catch-up. Without one the policy moves to the draft and stays; with 80 ms a
+    switch (5 ms on each of the 16 steps between re-measures, 11% of a plain step: a long backlog; the
+    cpu head's was ~10 ms at batch 2) the gain does not repay the switches, and plain decoding is
+    kept. The catch-up is reported."""
+    p = DraftSizePolicy(k_max=4, explore_every=16)
+    _simulate_switches(p, lambda k: 0.044 if k == 0 else 0.080 + 0.03 * (k - 1), catch_up, steps=200)
+    assert p.best(2) == 0
+    cost = lambda k: 0.044 if k == 0 else 0.0635 + 0.03 * (k - 1)  # noqa: E731
+    tail = _simulate_switches(p, cost, catch_up, steps=600)[-300:]
+    if drafts:
+        assert tail.count(1) >= 270 and p.best(2) == 1
+    else:
+        assert tail.count(0) >= 280 and p.best(2) == 0
+        assert abs(p.info()["catch_up_ms_by_batch"]["2"] - 80.0) < 1e-6

@@ -237,7 +237,7 @@ class EngineWorker:
         self.totals.batch_size_hist[len(jobs)] += 1
         if self.policy is not None:
             self.policy.observe(len(jobs), k, batch.step_s, [r.last_accepted for r, _ in out],
-                                [r.last_drafted for r, _ in out])
+                                [r.last_drafted for r, _ in out], batch.resume_catch_up_s)
         for r, toks in out:
             self._deliver(batch, jobs[r], toks)
 

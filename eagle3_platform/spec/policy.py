@@ -27,12 +27,15 @@ sequence), a running least-squares line  c/B = c0 + c1·m  in the deepest draft 
 predicted to reach E[m] = sum over d <= k of P(some of the B rows drafts depth d). Every step refines
 the line of its bucket, whatever its k, so wall-time noise averages out over all steps instead of one
 cell per k, and the cost of a k never measured in the bucket is predicted rather than paid for.
-Plain decoding (k = 0) is judged by its own steps: a bucket's first re-measure is a plain step, and
-from then on k = 0 is always a candidate, predicted by the running mean of its plain steps rather than
-read off the line. It runs no head at all, so the first depth costs more than the next ones (the head's
-forward, its catch-up, a verify of twice the tokens): a line through all the steps put plain decoding
-above its cost, and since each further depth paid on that line, the walk down one size at a time
-could stall at 1-4. At batch 8 on 2 cores (Locust, c = 8, 60 s) the policy spent 203 of 370 steps at
+Plain decoding (k = 0) is judged by its own steps: a bucket measures one as soon as its line is ready,
+and from then on k = 0 is always a candidate, predicted by the running mean of its plain steps rather
+than read off the line. (It used to wait for the bucket's first re-measure, explore_every steps after
+the choice last changed: at batch 2 on 2 cores the first 62 steps walked over sizes 4, 3, 2, 1, each
+slower than plain decoding, before plain decoding was measured at all; s41/c2trace.py.) Plain
+decoding runs no head at all, so the first depth costs more than the next ones (the head's forward,
+its catch-up, a verify of twice the tokens): a line through all the steps put plain decoding above its
+cost, and since each further depth paid on that line, the walk down one size at a time could stall
+at 1-4. At batch 8 on 2 cores (Locust, c = 8, 60 s) the policy spent 203 of 370 steps at
 k = 1 before it reached 0, which its final line put 13% faster.
 Plain decoding's mean forgets per step of its bucket, as the line does, not per plain step: a plain
 step that comes after g steps of drafting weighs 1 - (1 - EMA)^g. Where drafting is the choice, plain
@@ -52,6 +55,15 @@ clearly wins (plain decoding at batch 8 on 2 cores) every re-measure is a step a
 the head's catch-up over the steps it skipped, ~10% of throughput at a fixed 1 in 16
 (scripts/bench_batch.py); where sizes are close, a re-measure costs little and keeps the line honest.
 A k is only left for one predicted to be `SWITCH_MARGIN` faster (no flapping on noise).
+Drafting after plain steps also pays the head's catch-up: the steps decoded without a draft are
+appended to every row's draft KV before it drafts again (batch.py times it apart from the step, so the
+line and the plain mean compare steady states), and it was charged to nothing. Where drafting and
+plain decoding are close, one of them is re-measured every explore_every steps, and each return to a
+draft pays one catch-up: so a draft size's rate counts the bucket's running mean catch-up (measured at
+each first draft after plain steps; a new request's prompt, which its first draft appends, is a cost of
+drafting for it at all and is left out) spread over explore_every steps. With the cpu head on 2 cores
+that was ~10 ms a return at batch 2 and 5-7 ms at batch 1 (s41/c2trace2.py), about 1.5% of each step:
+it tips only near-ties. Where sizes are not close the charge cannot change the choice.
 """
 from __future__ import annotations
 
@@ -113,6 +125,8 @@ class DraftSizePolicy:
         self._next_explore: dict[int, int] = {}  # B bucket -> its step count at the next re-measure
         self._re_measures: Counter = Counter()  # B bucket -> neighbours re-measured so far
         self._plain_at: dict[int, int] = {}  # B bucket -> its step count at its last plain step
+        self.catch_up: dict[int, float] = {}  # B bucket -> running mean seconds of a first draft's catch-up
+        self._last_k: int | None = None  # the draft size of the last observed step (any batch size)
 
     def choose(self, batch_size: int) -> int:
         b = _bucket(batch_size)
@@ -135,6 +149,8 @@ class DraftSizePolicy:
         return k
 
     def _best_or_re_measure(self, b: int, batch_size: int) -> int:
+        if b not in self.plain:  # what every size must beat: measured before a choice is trusted
+            return 0
         k, n = self.best(batch_size), self._steps[b]
         if k != self._incumbent.get(b):  # a new choice: re-measure its neighbours soon
             self._incumbent[b], self._gap[b] = k, self.explore_every
@@ -145,8 +161,6 @@ class DraftSizePolicy:
         side = 1 if self._re_measures[b] % 2 else -1  # alternate sides, the longer draft first
         side = 1 if k == 0 else -1 if k == self.k_max else side  # at an end: its one neighbour
         other, rates = min(self.k_max, max(0, k + side)), self.rates(batch_size)
-        if b not in self.plain:  # the first re-measure of a bucket is plain decoding itself
-            other = 0
         if rates.get(other, 0.0) < rates[k] * (1 - CLOSE_RATE):  # clearly worse: wait longer next time
             self._gap[b] = min(2 * self._gap[b], MAX_EXPLORE_GAP)
         self._next_explore[b] = n + self._gap[b]
@@ -186,22 +200,35 @@ class DraftSizePolicy:
             cost[0] = plain_cost
         return {k: (1 + self.accepted(k)) / c for k, c in sorted(cost.items())}
 
+    def _charge_catch_up(self, batch_size: int, rates: dict[int, float]) -> dict[int, float]:
+        """rates with each draft size charged a catch-up after plain steps, spread over explore_every
+        steps: (1 + a) / (c + catch-up / (B·explore_every))."""
+        per_step = self.catch_up.get(_bucket(batch_size), 0.0) / (batch_size * self.explore_every)
+        return {k: r if k == 0 else (1 + self.accepted(k)) / ((1 + self.accepted(k)) / r + per_step)
+                for k, r in rates.items()}
+
     def best(self, batch_size: int, lines: dict | None = None, plain: dict | None = None) -> int:
         rates = self.rates(batch_size, lines, plain)
         if not rates:
             return self.k_max
-        k = max(rates, key=rates.get)
-        kept = self._incumbent.get(_bucket(batch_size))
+        rates = self._charge_catch_up(batch_size, rates)
+        k, kept = max(rates, key=rates.get), self._incumbent.get(_bucket(batch_size))
         if kept is not None and rates[k] <= rates[kept] * (1 + SWITCH_MARGIN):
             return kept
         return k
 
     def observe(self, batch_size: int, k: int, seconds: float, accepted: list[int],
-                drafted: list[int] | None = None) -> None:
-        """One finished step at draft size k: its wall time, each sequence's accepted draft tokens and
-        the depth its draft reached (None: k for every row, a draft never cut short)."""
+                drafted: list[int] | None = None, catch_up_s: float = 0.0) -> None:
+        """One finished step at draft size k: its wall time (without the head's catch-up), each
+        sequence's accepted draft tokens, the depth its draft reached (None: k for every row, a draft
+        never cut short) and the seconds its drafters spent before drafting on the steps decoded
+        plainly since they last drafted (Batch.resume_catch_up_s)."""
         drafted = [k] * len(accepted) if drafted is None else drafted
         b = _bucket(batch_size)
+        if k > 0 and self._last_k == 0:  # the first drafts after plain steps: what returning to drafts costs
+            prev = self.catch_up.get(b)
+            self.catch_up[b] = catch_up_s if prev is None else prev + EMA * (catch_up_s - prev)
+        self._last_k = k
         self.hist[k] += 1
         lo, hi = self.caps.get(b, (k, k))
         self.caps[b] = (min(lo, k), max(hi, k))
@@ -236,13 +263,14 @@ class DraftSizePolicy:
         # thread reads them
         hist, accept, reach = dict(self.hist), dict(self.depth_accept), dict(self.depth_drafted)
         lines = {b: line for b, line in dict(self.lines).items() if line.ready}
-        plain, gaps = dict(self.plain), dict(self._gap)
+        plain, gaps, catch_up = dict(self.plain), dict(self._gap), dict(self.catch_up)
         return {"draft_size_current": self.current,
                 "draft_size_hist": {str(k): n for k, n in sorted(hist.items())},
                 "draft_size_by_batch": {str(b): self.best(b, lines, plain) for b in sorted(lines)},
                 "step_cost_ms_by_batch": {str(b): [round(1e3 * c, 3) for c in lines[b].coef()]
                                           for b in sorted(lines)},
                 "plain_step_ms_by_batch": {str(b): round(1e3 * c, 3) for b, c in sorted(plain.items())},
+                "catch_up_ms_by_batch": {str(b): round(1e3 * c, 3) for b, c in sorted(catch_up.items())},
                 "drafted_rate_by_depth": {str(d): round(p, 3) for d, p in sorted(reach.items())},
                 "accept_rate_by_depth": {str(d): round(q, 3) for d, q in sorted(accept.items())},
                 "re_measure_gap_by_batch": {str(b): g for b, g in sorted(gaps.items())}}
