@@ -782,6 +782,39 @@ def test_a_spent_time_budget_defers_what_has_not_begun_and_a_rerun_with_budget_l
     assert fresh["written"] == s["written"] and fresh["by_reason"] == s["by_reason"]
 
 
+def test_a_cut_record_whose_retry_ends_no_better_is_kept_not_lost(tiny_target_dir, tmp_path, answer_clock,
+                                                                   varied_regen):
+    """A run with budget left asks the records an earlier budget cut again from their start. When its own
+    budget runs out first, a retry deferred again (or cut with fewer answered tokens) must not replace
+    the earlier record: it goes back, so no answered turn is lost. The same after a run killed while
+    the cut records were out of the output: the next start puts them back."""
+    from eagle3_platform.data.regenerate import cut_stash_path, retry_cut
+
+    def answered(rows):
+        return {r["id"]: sum(r["generation"]["new_tokens"]) for r in rows}
+
+    inp = write_prompts(tmp_path / "in.jsonl", mixed_prompts(12))
+    cfg = replace(TINY, batch_size=2, window_batches=1, random_order=True)
+    out, rej = tmp_path / "out.jsonl", tmp_path / "rej.jsonl"
+    regenerate_file(tiny_target_dir, inp, out, replace(cfg, time_budget_s=6), rejected_path=rej, scanner=NoScan())
+    before = list(read_jsonl(out))
+    assert any(r["generation"]["cut_by_time"] and len(r["generation"]["new_tokens"]) > 1 for r in before)
+
+    s = regenerate_file(tiny_target_dir, inp, out, replace(cfg, time_budget_s=7), rejected_path=rej,
+                        scanner=NoScan())  # one more turn: a 2-turn cut record cannot be redone
+    assert s["cut_retried"] >= 1 and s["cut_restored"] >= 1 and not cut_stash_path(out).exists()
+    got, was = answered(read_jsonl(out)), answered(before)
+    assert set(was) <= set(got) and all(got[i] >= n for i, n in was.items())
+    assert s["read"] == s["written"] + s["rejected"] == 12  # and summarize found every id once
+
+    kept = {r["id"]: r for r in read_jsonl(out)}
+    assert retry_cut(out) >= 1 and cut_stash_path(out).exists()  # a run killed right after taking them out
+    again = regenerate_file(tiny_target_dir, inp, out, replace(cfg, time_budget_s=7), rejected_path=rej,
+                            scanner=NoScan())  # its budget is spent: it only repairs
+    assert again["cut_restored"] >= 1 and again["new_tokens"] == 0 and not cut_stash_path(out).exists()
+    assert {r["id"]: r for r in read_jsonl(out)} == kept
+
+
 def test_a_published_output_is_continued_only_under_this_runs_key_and_prompts(
         tiny_target_dir, tmp_path, answer_clock, varied_regen):
     """continue_from: a published output (moved away from --out) is copied back with the budget it

@@ -49,7 +49,7 @@ from eagle3_platform.data.endpoint import ChatClient, EndpointRequestError, serv
 from eagle3_platform.records import (BadRecord, ConversationRecord, JsonlAppender, PromptRecord, Rejection,
                                      atomic_write, drop_jsonl_rows, ignored_summary, line_rejection, parse_line,
                                      prompt_from_row, read_jsonl, read_lines, top_reasons, unknown_keys,
-                                     usable_id, write_json_atomic)
+                                     usable_id, write_json_atomic, write_jsonl_atomic)
 
 STAGE = "target_responses"
 DEFERRED = "budget:time"  # a conversation the time budget left unstarted: retried by a run with budget left
@@ -342,10 +342,49 @@ def cut_by_time(row: dict) -> bool:
     return bool(gen.get("cut_by_time", "time" in (gen.get("finish_reasons") or ())))
 
 
+def cut_stash_path(out_path: Path) -> Path:
+    """Where retry_cut keeps the cut records it took out of out_path while this run asks them again."""
+    return out_path.with_name(out_path.name + ".cut.jsonl")
+
+
 def retry_cut(out_path: Path) -> int:
-    """Drops the records a time budget cut from out_path, so this run asks those conversations again
-    from their start; returns how many."""
-    return drop_jsonl_rows(out_path, cut_by_time) if out_path.exists() else 0
+    """Moves the records a time budget cut from out_path to its stash, so this run asks those
+    conversations again from their start; returns how many. restore_cut puts back each one whose retry
+    ended no better."""
+    cut = [r for r in read_jsonl(out_path, tolerate_torn_tail=True) if cut_by_time(r)] if out_path.exists() else []
+    if cut:
+        write_jsonl_atomic(cut_stash_path(out_path), cut)  # before the drop: a kill between loses nothing
+    return drop_jsonl_rows(out_path, cut_by_time) if cut else 0
+
+
+def _answered(row: dict) -> int:
+    return sum((row.get("generation") or {}).get("new_tokens") or ())
+
+
+def restore_cut(out_path: Path, rejected_path: Path) -> int:
+    """Puts back each stashed cut record whose retry ended no better: deferred again by the time budget,
+    never reached (a killed run), or cut again with fewer answered tokens. A retry's better record, or
+    its rejection for another reason (a PII finding in a later turn), stands. Safe to run again after a
+    kill at any point, as the next run's start does. -> records put back."""
+    stash = cut_stash_path(out_path)
+    if not stash.exists():
+        return 0
+    old = {r["id"]: r for r in read_jsonl(stash)}
+    new = {r["id"]: r for r in read_jsonl(out_path, tolerate_torn_tail=True) if r["id"] in old} \
+        if out_path.exists() else {}
+    verdict = {r["id"]: r.get("reason") for r in read_jsonl(rejected_path, tolerate_torn_tail=True)
+               if r.get("id") in old} if rejected_path.exists() else {}
+    back = [i for i, row in old.items()
+            if (i in new and cut_by_time(new[i]) and _answered(new[i]) < _answered(row))
+            or (i not in new and verdict.get(i) in (None, DEFERRED))]
+    if back:  # the retry's worse outcome goes first, so a kill in between leaves no id in both files
+        drop_jsonl_rows(out_path, lambda r: r["id"] in back) if new else None
+        drop_jsonl_rows(rejected_path, lambda r: r.get("id") in back) if verdict else None
+        with JsonlAppender(out_path) as out:
+            for i in back:
+                out.append(old[i])
+    stash.unlink()
+    return len(back)
 
 
 @dataclass(frozen=True)
@@ -403,52 +442,57 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
     if not (out_path.exists() or rejected_path.exists()):  # restarted, or the output moved on (published)
         budget_path(out_path).unlink(missing_ok=True)
         settled_path(out_path).unlink(missing_ok=True)
+        cut_stash_path(out_path).unlink(missing_ok=True)
         if continue_from is not None:
             continued = take_published(continue_from, out_path, rejected_path, key, prompts)
+    restored = restore_cut(out_path, rejected_path)  # a killed run's retries of cut records
     clock = TimeBudget(cfg.time_budget_s, budget_path(out_path))
     retried = recut = 0
     if not clock.over():  # budget left: ask again what an earlier, smaller budget deferred or cut
         retried, recut = retry_deferred(rejected_path), retry_cut(out_path)
     t0 = time.perf_counter()
-    with JsonlAppender(out_path) as out, JsonlAppender(rejected_path) as rej:
-        done = out.done_ids() | rej.done_ids()
-        foreign = done - prompts.ids()
-        if foreign:
-            raise ValueError(f"{out_path} / {rejected_path} hold {len(foreign)} records that are not in "
-                             f"{in_path}; write to a fresh --out")
-        changed = changed_prompts(out_path, prompts.convos)
-        if changed:  # e.g. prompts redacted since: the old answers (and prompts) must not be kept
-            raise ValueError(f"{out_path} holds {changed} records made from other prompts than {in_path} now "
-                             "has under their ids; use a fresh --out, or --restart to discard them")
-        if continued is not None and not continued.startswith("no"):  # before any new row: every resume
-            write_json_atomic(settled_path(out_path), {"ids": sorted(done)})  # plans the same windows
-        settled = read_settled(out_path)
-        for r in prompts.rejected:  # rejected while reading: deterministic, so a resume skips them by id
-            if r.id not in done:
-                rej.append(r)
-        convos = prompts.convos
-        progress = Progress(prompts.read, len(done), cfg.progress_every_s)
+    try:
+        with JsonlAppender(out_path) as out, JsonlAppender(rejected_path) as rej:
+            done = out.done_ids() | rej.done_ids()
+            foreign = done - prompts.ids()
+            if foreign:
+                raise ValueError(f"{out_path} / {rejected_path} hold {len(foreign)} records that are not in "
+                                 f"{in_path}; write to a fresh --out")
+            changed = changed_prompts(out_path, prompts.convos)
+            if changed:  # e.g. prompts redacted since: the old answers (and prompts) must not be kept
+                raise ValueError(f"{out_path} holds {changed} records made from other prompts than {in_path} now "
+                                 "has under their ids; use a fresh --out, or --restart to discard them")
+            if continued is not None and not continued.startswith("no"):  # before any new row: every resume
+                write_json_atomic(settled_path(out_path), {"ids": sorted(done)})  # plans the same windows
+            settled = read_settled(out_path)
+            for r in prompts.rejected:  # rejected while reading: deterministic, so a resume skips them by id
+                if r.id not in done:
+                    rej.append(r)
+            convos = prompts.convos
+            progress = Progress(prompts.read, len(done), cfg.progress_every_s)
 
-        def emit(c: Convo) -> None:
-            row = finalize(c, tok, scanner or None, meta, gen)
-            (out if isinstance(row, ConversationRecord) else rej).append(row)
-            progress.add(1, sum(c.new_tokens))
-            clock.save()
+            def emit(c: Convo) -> None:
+                row = finalize(c, tok, scanner or None, meta, gen)
+                (out if isinstance(row, ConversationRecord) else rej).append(row)
+                progress.add(1, sum(c.new_tokens))
+                clock.save()
 
-        turns = Turns(tok, cfg, on_answer=progress.turn)
-        try:
-            if endpoint:
-                run_endpoint(endpoint, convos, turns, cfg, done, emit, meta, api_key, clock)
-            else:
-                run_local(target_dir, convos, turns, cfg, done, emit, clock, settled)
-        finally:
-            clock.save()
+            turns = Turns(tok, cfg, on_answer=progress.turn)
+            try:
+                if endpoint:
+                    run_endpoint(endpoint, convos, turns, cfg, done, emit, meta, api_key, clock)
+                else:
+                    run_local(target_dir, convos, turns, cfg, done, emit, clock, settled)
+            finally:
+                clock.save()
+    finally:  # a retried cut record the run did not better goes back (also after an error)
+        restored += restore_cut(out_path, rejected_path)
     summary = summarize(prompts, out_path, rejected_path, len(done), progress, time.perf_counter() - t0, meta,
                         tok)
     if cfg.time_budget_s is not None:
         summary.update(time_budget_s=cfg.time_budget_s, time_spent_s=round(clock.spent(), 1))
-    if cfg.time_budget_s is not None or retried or recut:
-        summary.update(deferred_retried=retried, cut_retried=recut)
+    if cfg.time_budget_s is not None or retried or recut or restored:
+        summary.update(deferred_retried=retried, cut_retried=recut, cut_restored=restored)
     if continued is not None:
         summary["continued_published"] = continued
     if stale:
