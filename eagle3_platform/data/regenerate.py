@@ -377,9 +377,12 @@ def restore_cut(out_path: Path, rejected_path: Path) -> int:
     back = [i for i, row in old.items()
             if (i in new and cut_by_time(new[i]) and _answered(new[i]) < _answered(row))
             or (i not in new and verdict.get(i) in (None, DEFERRED))]
-    if back:  # the retry's worse outcome goes first, so a kill in between leaves no id in both files
-        drop_jsonl_rows(out_path, lambda r: r["id"] in back) if new else None
-        drop_jsonl_rows(rejected_path, lambda r: r.get("id") in back) if verdict else None
+    # the retry's worse outcome goes first, so a kill in between never leaves an id in both files
+    if any(i in new for i in back):
+        drop_jsonl_rows(out_path, lambda r: r["id"] in back)
+    if any(i in verdict for i in back):
+        drop_jsonl_rows(rejected_path, lambda r: r.get("id") in back)
+    if back:
         with JsonlAppender(out_path) as out:
             for i in back:
                 out.append(old[i])
