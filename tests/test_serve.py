@@ -543,8 +543,8 @@ def test_real_engine_batched_requests_equal_each_alone(tiny_target_dir, tiny_exp
 
 def test_the_worker_hands_the_policy_each_steps_catch_up(tiny_target_dir, tiny_export):
     """The worker passes the draft-size policy each step's catch-up of steps decoded plainly between
-    drafts (which it charges to returns to drafting, spec/policy.py): none at the request's first
-    draft (that backlog is its prompt) or while decoding plainly, their backlog at the next draft."""
+    drafts (which it reports, spec/policy.py): none at the request's first draft (that backlog is its
+    prompt) or while decoding plainly, their backlog at the next draft."""
     from eagle3_platform.serve.server import build_engine
     from eagle3_platform.serve.worker import EngineWorker, Job
 

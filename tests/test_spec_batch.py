@@ -128,8 +128,8 @@ def test_drafter_backlog_is_caught_up_apart_and_equals_one_append(target):
     """Steps verified without a draft leave the drafter a backlog (here the prompt + 3 steps). The
     next drafting step appends it first, timed apart (Batch.catch_up_s), and the drafter's cache
     equals one append of everything. A later backlog, of steps decoded plainly between drafts, is also
-    reported apart from a prompt's (resume_catch_up_s: what the server's policy charges to a return to
-    drafting)."""
+    reported apart from a prompt's (resume_catch_up_s: what the server's policy reports as the cost of
+    a return to drafting)."""
     from eagle3_platform.spec.drafter import EagleDrafter
 
     engine = SpecEngine(target, random_draft(target, 64), PRESETS["chain"])

@@ -249,21 +249,17 @@ def _simulate_switches(policy, cost, catch_up, steps):
     return chosen
 
 
-@pytest.mark.parametrize("catch_up, drafts", [(0.0, True), (0.08, False)])
-def test_a_draft_size_pays_the_head_catch_up_after_plain_steps(catch_up, drafts):
+@pytest.mark.parametrize("catch_up", [0.0, 0.08])
+def test_the_head_catch_up_after_plain_steps_is_reported_not_charged(catch_up):
     """Plain decoding is the choice (drafts were dear), then a 1-token draft becomes 3.9% faster in
     steady state (2 · 1.5 tokens for 1.444x a plain step); drafting again after plain steps first
-    costs the head's catch-up. Without one the policy moves to the draft and stays; with 80 ms a
-    switch (5 ms on each of the 16 steps between re-measures, 11% of a plain step: a long backlog; the
-    cpu head's was ~10 ms at batch 2) the gain does not repay the switches, and plain decoding is
-    kept. The catch-up is reported."""
+    costs the head's catch-up. The policy moves to the draft and stays whatever the catch-up: a return
+    after a long plain stretch carries that stretch's backlog once, so spread over the next steps it
+    would keep plain decoding where the draft is faster. The catch-up is reported."""
     p = DraftSizePolicy(k_max=4, explore_every=16)
     _simulate_switches(p, lambda k: 0.044 if k == 0 else 0.080 + 0.03 * (k - 1), catch_up, steps=200)
     assert p.best(2) == 0
     cost = lambda k: 0.044 if k == 0 else 0.0635 + 0.03 * (k - 1)  # noqa: E731
     tail = _simulate_switches(p, cost, catch_up, steps=600)[-300:]
-    if drafts:
-        assert tail.count(1) >= 270 and p.best(2) == 1
-    else:
-        assert tail.count(0) >= 280 and p.best(2) == 0
-        assert abs(p.info()["catch_up_ms_by_batch"]["2"] - 80.0) < 1e-6
+    assert tail.count(1) >= 270 and p.best(2) == 1
+    assert abs(p.info()["catch_up_ms_by_batch"]["2"] - 1e3 * catch_up) < 1e-6

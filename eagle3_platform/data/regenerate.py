@@ -223,6 +223,21 @@ def prompt_sha256(rec: PromptRecord) -> str:
     return hashlib.sha256(turns.encode()).hexdigest()
 
 
+def check_output_prompts(out_path: Path, rejected_path: Path, in_path, prompts: Prompts) -> None:
+    """Refuses an output to resume that holds ids the input does not, or records made from other prompts
+    than the input now holds under their ids (e.g. redacted since: the old answers must not be kept)."""
+    done = {r["id"] for path in (out_path, rejected_path) if path.exists()
+            for r in read_jsonl(path, tolerate_torn_tail=True)}
+    foreign = done - prompts.ids()
+    if foreign:
+        raise ValueError(f"{out_path} / {rejected_path} hold {len(foreign)} records that are not in "
+                         f"{in_path}; write to a fresh --out")
+    changed = changed_prompts(out_path, prompts.convos) if out_path.exists() else 0
+    if changed:
+        raise ValueError(f"{out_path} holds {changed} records made from other prompts than {in_path} now "
+                         "has under their ids; use a fresh --out, or --restart to discard them")
+
+
 def changed_prompts(out_path: Path, convos: list[Convo]) -> int:
     """Records in out_path whose prompt is not the one the input now holds under their id (ids the
     input does not hold, and records from before prompt hashes were written, are not counted)."""
@@ -439,16 +454,18 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
     if endpoint:
         gen["endpoint"] = _public_url(endpoint)
     key = resume_key(meta, tok, gen)
+    if restart or not (out_path.exists() or rejected_path.exists()):  # nothing a stash could go back to
+        cut_stash_path(out_path).unlink(missing_ok=True)
+    restored = restore_cut(out_path, rejected_path)  # a killed run's retries: checked with the rest below
     stale = check_resume_key(out_path, rejected_path, key, restart, replace_stale)
     write_json_atomic(key_path(out_path), key, sort_keys=True)
     continued = "no: resumed its own output" if continue_from is not None else None
     if not (out_path.exists() or rejected_path.exists()):  # restarted, or the output moved on (published)
         budget_path(out_path).unlink(missing_ok=True)
         settled_path(out_path).unlink(missing_ok=True)
-        cut_stash_path(out_path).unlink(missing_ok=True)
         if continue_from is not None:
             continued = take_published(continue_from, out_path, rejected_path, key, prompts)
-    restored = restore_cut(out_path, rejected_path)  # a killed run's retries of cut records
+    check_output_prompts(out_path, rejected_path, in_path, prompts)  # before cut records are stashed
     clock = TimeBudget(cfg.time_budget_s, budget_path(out_path))
     retried = recut = 0
     if not clock.over():  # budget left: ask again what an earlier, smaller budget deferred or cut
@@ -457,14 +474,6 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
     try:
         with JsonlAppender(out_path) as out, JsonlAppender(rejected_path) as rej:
             done = out.done_ids() | rej.done_ids()
-            foreign = done - prompts.ids()
-            if foreign:
-                raise ValueError(f"{out_path} / {rejected_path} hold {len(foreign)} records that are not in "
-                                 f"{in_path}; write to a fresh --out")
-            changed = changed_prompts(out_path, prompts.convos)
-            if changed:  # e.g. prompts redacted since: the old answers (and prompts) must not be kept
-                raise ValueError(f"{out_path} holds {changed} records made from other prompts than {in_path} now "
-                                 "has under their ids; use a fresh --out, or --restart to discard them")
             if continued is not None and not continued.startswith("no"):  # before any new row: every resume
                 write_json_atomic(settled_path(out_path), {"ids": sorted(done)})  # plans the same windows
             settled = read_settled(out_path)

@@ -176,7 +176,7 @@ class Batch:
         # an Eagle head's backlog first, timed apart (test drafters have none); prefill-like, so on the
         # target's threads (a 1000-token prompt through the demo head: 84 ms on 1 thread, 45 on 2)
         # A row's first backlog holds its prompt, a cost of drafting for it at all; a later one holds
-        # only the steps decoded without a draft, the cost of returning to drafts (spec/policy.py)
+        # only the steps decoded without a draft, the cost of returning to drafts (reported: policy.py)
         catching = [rows[b] for b in drafting if hasattr(rows[b].drafter, "catch_up")]
         self.catch_up_s = self.resume_catch_up_s = 0.0
         with threads(self.engine.target_threads if catching else None):

@@ -57,13 +57,11 @@ the head's catch-up over the steps it skipped, ~10% of throughput at a fixed 1 i
 A k is only left for one predicted to be `SWITCH_MARGIN` faster (no flapping on noise).
 Drafting after plain steps also pays the head's catch-up: the steps decoded without a draft are
 appended to every row's draft KV before it drafts again (batch.py times it apart from the step, so the
-line and the plain mean compare steady states), and it was charged to nothing. Where drafting and
-plain decoding are close, one of them is re-measured every explore_every steps, and each return to a
-draft pays one catch-up: so a draft size's rate counts the bucket's running mean catch-up (measured at
-each first draft after plain steps; a new request's prompt, which its first draft appends, is a cost of
-drafting for it at all and is left out) spread over explore_every steps. With the cpu head on 2 cores
-that was ~10 ms a return at batch 2 and 5-7 ms at batch 1 (s41/c2trace2.py), about 1.5% of each step:
-it tips only near-ties. Where sizes are not close the charge cannot change the choice.
+line and the plain mean compare steady states). It is measured at each first draft after plain steps
+(a new request's prompt, which its first draft appends, left out) and reported, not charged: with the
+cpu head on 2 cores it was ~10 ms a return at batch 2 and 5-7 ms at batch 1 (s41/c2trace2.py), ~1.5%
+of a step, and a charge spread over explore_every steps kept the policy on plain decoding after a long
+plain stretch (whose return carries a long backlog, once) when a draft had become 4-5% faster.
 """
 from __future__ import annotations
 
@@ -200,18 +198,10 @@ class DraftSizePolicy:
             cost[0] = plain_cost
         return {k: (1 + self.accepted(k)) / c for k, c in sorted(cost.items())}
 
-    def _charge_catch_up(self, batch_size: int, rates: dict[int, float]) -> dict[int, float]:
-        """rates with each draft size charged a catch-up after plain steps, spread over explore_every
-        steps: (1 + a) / (c + catch-up / (B·explore_every))."""
-        per_step = self.catch_up.get(_bucket(batch_size), 0.0) / (batch_size * self.explore_every)
-        return {k: r if k == 0 else (1 + self.accepted(k)) / ((1 + self.accepted(k)) / r + per_step)
-                for k, r in rates.items()}
-
     def best(self, batch_size: int, lines: dict | None = None, plain: dict | None = None) -> int:
         rates = self.rates(batch_size, lines, plain)
         if not rates:
             return self.k_max
-        rates = self._charge_catch_up(batch_size, rates)
         k, kept = max(rates, key=rates.get), self._incumbent.get(_bucket(batch_size))
         if kept is not None and rates[k] <= rates[kept] * (1 + SWITCH_MARGIN):
             return kept
@@ -225,7 +215,7 @@ class DraftSizePolicy:
         plainly since they last drafted (Batch.resume_catch_up_s)."""
         drafted = [k] * len(accepted) if drafted is None else drafted
         b = _bucket(batch_size)
-        if k > 0 and self._last_k == 0:  # the first drafts after plain steps: what returning to drafts costs
+        if k > 0 and self._last_k == 0:  # the first drafts after plain steps: what returning to drafts cost
             prev = self.catch_up.get(b)
             self.catch_up[b] = catch_up_s if prev is None else prev + EMA * (catch_up_s - prev)
         self._last_k = k
