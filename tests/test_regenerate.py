@@ -814,6 +814,18 @@ def test_a_cut_record_whose_retry_ends_no_better_is_kept_not_lost(tiny_target_di
     assert again["cut_restored"] >= 1 and again["new_tokens"] == 0 and not cut_stash_path(out).exists()
     assert {r["id"]: r for r in read_jsonl(out)} == kept
 
+    # a cut record's prompt redacted since: refused like any record's, never stashed and put back
+    cut_id = next(i for i, r in kept.items() if r["generation"]["cut_by_time"])
+    rows = [json.loads(line) for line in inp.read_text().splitlines()]
+    for row in rows:
+        if row["id"] == cut_id:
+            row["messages"][0]["content"] += " [REDACTED]"
+    write_prompts(inp, rows)
+    with pytest.raises(ValueError, match="other prompts"):
+        regenerate_file(tiny_target_dir, inp, out, replace(cfg, time_budget_s=9), rejected_path=rej,
+                        scanner=NoScan())
+    assert {r["id"]: r for r in read_jsonl(out)} == kept and not cut_stash_path(out).exists()
+
 
 def test_a_published_output_is_continued_only_under_this_runs_key_and_prompts(
         tiny_target_dir, tmp_path, answer_clock, varied_regen):
