@@ -389,9 +389,9 @@ def restore_cut(out_path: Path, rejected_path: Path) -> int:
         if out_path.exists() else {}
     verdict = {r["id"]: r.get("reason") for r in read_jsonl(rejected_path, tolerate_torn_tail=True)
                if r.get("id") in old} if rejected_path.exists() else {}
-    back = [i for i, row in old.items()
+    back = {i for i, row in old.items()
             if (i in new and cut_by_time(new[i]) and _answered(new[i]) < _answered(row))
-            or (i not in new and verdict.get(i) in (None, DEFERRED))]
+            or (i not in new and verdict.get(i) in (None, DEFERRED))}
     # the retry's worse outcome goes first, so a kill in between never leaves an id in both files
     if any(i in new for i in back):
         drop_jsonl_rows(out_path, lambda r: r["id"] in back)
@@ -399,8 +399,9 @@ def restore_cut(out_path: Path, rejected_path: Path) -> int:
         drop_jsonl_rows(rejected_path, lambda r: r.get("id") in back)
     if back:
         with JsonlAppender(out_path) as out:
-            for i in back:
-                out.append(old[i])
+            for i, row in old.items():  # in the output's old order
+                if i in back:
+                    out.append(row)
     stash.unlink()
     return len(back)
 

@@ -202,7 +202,8 @@ class DraftSizePolicy:
         rates = self.rates(batch_size, lines, plain)
         if not rates:
             return self.k_max
-        k, kept = max(rates, key=rates.get), self._incumbent.get(_bucket(batch_size))
+        k = max(rates, key=rates.get)
+        kept = self._incumbent.get(_bucket(batch_size))
         if kept is not None and rates[k] <= rates[kept] * (1 + SWITCH_MARGIN):
             return kept
         return k
