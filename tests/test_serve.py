@@ -231,10 +231,10 @@ def test_a_failing_prefill_fails_only_its_request(tok):
             b = FakeBatch(self)
             prefill = b.prefill
 
-            def failing(r, max_tokens=None):
+            def failing(r, max_tokens=None, **kw):  # alone, or riding the first request's step
                 if len(r.ids) > 40:  # the long prompt's prefill breaks
                     raise RuntimeError("prefill bug")
-                return prefill(r, max_tokens)
+                return prefill(r, max_tokens, **kw)
             b.prefill = failing
             return b
 
@@ -507,9 +507,11 @@ def test_build_engine_runs_the_target_on_target_threads(tiny_target_dir):
     assert PRESETS["tiny"].target_threads is None and PRESETS["tiny"].torch_threads == 1
 
 
-def test_real_engine_batched_requests_equal_each_alone(tiny_target_dir, tiny_export):
+@pytest.mark.parametrize("mixed_prefill", [True, False])
+def test_real_engine_batched_requests_equal_each_alone(tiny_target_dir, tiny_export, mixed_prefill):
     """Concurrent greedy requests (mixed prompt lengths and budgets, staggered) through the batching
-    server give what each request gives alone (fp32: exact), with the draft size chosen per step."""
+    server give what each request gives alone (fp32: exact), with the draft size chosen per step,
+    whether prompt chunks ride along the running step or are prefilled apart."""
     from eagle3_platform.serve.server import build_engine
 
     engine, target, meta = build_engine(tiny_target_dir, tiny_export, "tree", dtype="float32")
@@ -520,7 +522,8 @@ def test_real_engine_batched_requests_equal_each_alone(tiny_target_dir, tiny_exp
         ids = target.tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                                    add_generation_prompt=True, tokenize=True)["input_ids"]
         alone[text] = target.tokenizer.decode(engine.generate(ids, n)[0], skip_special_tokens=True)
-    app = build_app(engine, target.tokenizer, ServeConfig(max_tokens=24, prefill_chunk=16),
+    app = build_app(engine, target.tokenizer, ServeConfig(max_tokens=24, prefill_chunk=16,
+                                                          mixed_prefill=mixed_prefill),
                     model_name="eagle3", context_length=512, info=meta)
     got = {}
     with ThreadServer(app) as srv:
@@ -539,6 +542,8 @@ def test_real_engine_batched_requests_equal_each_alone(tiny_target_dir, tiny_exp
     assert any(int(b) > 1 for b in info["batch_size_hist"])
     assert sum(info["draft_size_hist"].values()) == info["batch_steps"]
     assert info["draft_size_current"] in range(0, 12)
+    assert info["mixed_prefill"] is mixed_prefill and (info["mixed_steps"] > 0) == mixed_prefill
+    assert info["step_s"] > 0 and info["prefill_s"] > 0  # the first prompt has nothing to ride
 
 
 def test_the_worker_hands_the_policy_each_steps_catch_up(tiny_target_dir, tiny_export):

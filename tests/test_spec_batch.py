@@ -30,9 +30,10 @@ def refs(target):  # noqa: F811 (the imported fixture)
     return {p: hf_greedy(target, _ids(target, p), MAX_NEW + 8, eos) for p in PROMPTS + [LONG]}
 
 
-def _drive(engine, prompts, max_new, seed=0, chunk=7, **open_kw):
+def _drive(engine, prompts, max_new, seed=0, chunk=7, ride=False, **open_kw):
     """Staggered arrivals: a new request opens every other step and prefills `chunk` tokens per
     step between decode steps (chunked prefill interleaved with decoding); finished rows leave.
+    ride: with rows running, the chunk rides along their step (one target forward) instead.
     -> {prompt index: emitted tokens}."""
     rng, batch = random.Random(seed), engine.batch()
     waiting = list(enumerate(prompts))
@@ -42,7 +43,7 @@ def _drive(engine, prompts, max_new, seed=0, chunk=7, **open_kw):
             i, ids = waiting.pop(0)
             prefilling.append((i, batch.open(ids, max_new[i], **open_kw)))
             out[i] = []
-        if prefilling:
+        if prefilling and not (ride and running):
             i, r = prefilling[0]
             got = batch.prefill(r, chunk)
             if got is not None:
@@ -53,8 +54,14 @@ def _drive(engine, prompts, max_new, seed=0, chunk=7, **open_kw):
                     batch.close(r)
                     del running[r]
         if running:
-            for r, toks in batch.step():
-                out[running[r]] += toks
+            riding = prefilling[:1] if ride else []
+            for r, toks in batch.step(None, [(r, chunk) for _, r in riding]):
+                if riding and r is riding[0][1]:  # its prompt is done: it runs from the next step
+                    i = prefilling.pop(0)[0]
+                    out[i] += toks
+                    running[r] = i
+                else:
+                    out[running[r]] += toks
                 if r.done:
                     batch.close(r)
                     del running[r]
@@ -92,6 +99,47 @@ def test_batched_greedy_equals_target_greedy_whatever_the_batch(target, refs, ki
     out = _drive(engine, prompts, max_new)
     for i, p in enumerate(order):
         assert out[i] == refs[p][:max_new[i]], (kind, i)
+
+
+@pytest.mark.parametrize("kind", ["baseline", "chain", "tree", "oracle_chain"])
+def test_prompts_riding_the_steps_keep_greedy_output(target, refs, kind):
+    """Prompt chunks run in the running rows' step forward (forward.mixed_forward): every request's
+    greedy output still equals HF greedy (fp32), the long prompt's over several riding chunks, and
+    the head's prompt features come from the riding chunks."""
+    order = PROMPTS + [LONG] + PROMPTS[::-1]
+    max_new = [MAX_NEW, 12, MAX_NEW, 5, MAX_NEW, 9, 1]
+    if kind.startswith("oracle"):
+        engine = _oracle_engine(target, refs, PRESETS["chain"], order)
+    else:
+        engine = SpecEngine(target, random_draft(target, 64) if kind != "baseline" else None, PRESETS[kind])
+    calls = []
+    real = engine.forward_with_prompts
+    engine.forward_with_prompts = lambda *a: calls.append(len(a[-1])) or real(*a)
+    out = _drive(engine, [_ids(target, p) for p in order], max_new, ride=True)
+    assert sum(calls) > len(_ids(target, LONG)) // 7  # chunks rode along (the long prompt's at least)
+    for i, p in enumerate(order):
+        assert out[i] == refs[p][:max_new[i]], (kind, i)
+
+
+def test_a_failed_forward_with_riding_prompts_gives_them_up_and_the_rows_step_alone(target, refs):
+    """If the step's forward with prompt chunks fails, the running rows step alone (their output
+    unchanged) and the riders are given up with the error, not half-prefilled into the batch."""
+    engine = SpecEngine(target, random_draft(target, 64), PRESETS["chain"])
+    batch = engine.batch()
+    first, second = (_ids(target, p) for p in PROMPTS[:2])
+    r = batch.open(first, MAX_NEW)
+    out = batch.prefill(r, None)
+    rider = batch.open(second, MAX_NEW)
+    engine.forward_with_prompts = lambda *a: (_ for _ in ()).throw(RuntimeError("chunk bug"))
+    stepped = batch.step(None, [(rider, 4)])
+    assert [x for x, _ in stepped] == [r] and batch.rows == [r]
+    assert batch.failed_prompts == [rider] and isinstance(batch.prompt_error, RuntimeError)
+    out += stepped[0][1]
+    del engine.forward_with_prompts
+    while not r.done:
+        [(_, toks)] = batch.step()
+        out += toks
+    assert out == refs[PROMPTS[0]][:MAX_NEW] and batch.failed_prompts == []
 
 
 def test_server_cap_on_draft_size_keeps_output(target, refs):

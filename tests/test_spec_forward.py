@@ -107,3 +107,48 @@ def test_engine_steps_run_it_and_keep_greedy_output(tiny_target_dir, monkeypatch
         assert (len(calls) > n) == on
         results.append((out, stats["verify_steps"], stats["accept_hist"]))
     assert results[0] == results[1] and results[0][0] == ref
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@torch.no_grad()
+def test_prompt_chunks_riding_a_step_equal_their_own_prefill_and_leave_the_step_as_it_was(tiny_target_dir,
+                                                                                     monkeypatch, dtype):
+    """mixed_forward: a 3-row tree verify with two prompt chunks riding along (a prompt's first chunk,
+    and a second chunk after 7 cached tokens, longer than the grouped kernel's queries) gives the
+    step's logits, features and cache as step_forward alone, and each chunk's last logits, features
+    and cache as transformers' prefill of that chunk (tight tolerance: only the matmuls' row counts
+    differ)."""
+    target = load_target(tiny_target_dir, dtype)
+    model, layers = target.model, target.layer_ids
+    g = torch.Generator().manual_seed(1)
+    ours, theirs = _caches(model, [9, 14, 6], g)
+    monkeypatch.setattr(RaggedCache, "group_overhead", 0)
+    parents = torch.tensor([-1, 0, 0, 1])
+    ids = torch.randint(3, 60, (3, 4), generator=g)
+    pos = ours.lengths[:, None] + depths(parents)
+    first, rest = torch.randint(3, 60, (1, 11), generator=g), torch.randint(3, 60, (1, 70), generator=g)
+    head = torch.randint(3, 60, (1, 7), generator=g)
+    mine = [GrowingCache(), GrowingCache()]
+    ref = [GrowingCache(), GrowingCache()]
+    for c in (mine[1], ref[1]):  # the second prompt has 7 tokens cached
+        model(input_ids=head, past_key_values=c, use_cache=True)
+    for cache in (ours, theirs):
+        cache.begin(4)
+    anc = ancestor_matrix(parents).repeat(3, 1, 1)
+    lo, ao, chunks = fwd.mixed_forward(model, ids, pos, ours.mask(anc), ours, layers, 0, ours.groups,
+                                       [(first, mine[0]), (rest, mine[1])])
+    lt, at = fwd.step_forward(model, ids, pos, theirs.mask(anc), theirs, layers, row_groups=theirs.groups)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == "float32" else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lo.float(), lt.float(), **tol)
+    torch.testing.assert_close(ao.float(), at.float(), **tol)
+    for x, y in zip(ours.keys + ours.values, theirs.keys + theirs.values):
+        torch.testing.assert_close(x.float(), y.float(), **tol)
+    for (logits, aux), chunk, cache, rcache in zip(chunks, (first, rest), mine, ref):
+        want = forward_capture(model, chunk, layers, past_key_values=rcache, use_cache=True)
+        assert logits.shape == (1, 1, model.config.vocab_size) and aux.shape == want.aux_hidden.shape
+        torch.testing.assert_close(logits.float(), want.logits[:, -1:].float(), **tol)
+        torch.testing.assert_close(aux.float(), want.aux_hidden.float(), **tol)
+        assert cache.get_seq_length() == rcache.get_seq_length()
+        for i in range(model.config.num_hidden_layers):
+            torch.testing.assert_close(cache.layers[i].keys.float(), rcache.layers[i].keys.float(), **tol)
+            torch.testing.assert_close(cache.layers[i].values.float(), rcache.layers[i].values.float(), **tol)

@@ -263,3 +263,20 @@ def test_the_head_catch_up_after_plain_steps_is_reported_not_charged(catch_up):
     tail = _simulate_switches(p, cost, catch_up, steps=600)[-300:]
     assert tail.count(1) >= 270 and p.best(2) == 1
     assert abs(p.info()["catch_up_ms_by_batch"]["2"] - 1e3 * catch_up) < 1e-6
+
+
+def test_a_step_that_carried_prompt_chunks_teaches_acceptance_but_not_cost():
+    """seconds None (the worker's steps with prompt chunks riding along, whose time is not the draft
+    size's): acceptance and the histogram are learnt, the cost line and plain decoding's cost not."""
+    p = DraftSizePolicy(k_max=4)
+    for _ in range(5):
+        p.observe(2, 4, 0.05, [1, 3])
+        p.observe(2, 0, 0.03, [0, 0])
+    before = (p.info()["step_cost_ms_by_batch"], p.info()["plain_step_ms_by_batch"], dict(p.catch_up))
+    accept = dict(p.depth_accept)
+    for _ in range(20):
+        p.observe(2, 4, None, [4, 4], catch_up_s=1.0)  # a slow step: prompt tokens rode along
+        p.observe(2, 0, None, [0, 0])
+    info = p.info()
+    assert (info["step_cost_ms_by_batch"], info["plain_step_ms_by_batch"], dict(p.catch_up)) == before
+    assert p.depth_accept[4] > accept[4] and info["draft_size_hist"] == {"0": 25, "4": 25}

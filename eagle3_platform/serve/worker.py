@@ -1,10 +1,13 @@
 """One engine thread running a continuous batch.
 
-Each loop the thread (1) prefills up to `prefill_chunk` prompt tokens of waiting requests while the
-batch has room (a long prompt is split across loops, so it delays every running stream by at most
-one chunk), then (2) runs one batched step over every running request. A request joins the batch
-at the next step after its prompt is done and leaves when it finishes or is cancelled (its slot is
-free for the next loop). Only a full queue is refused.
+Each loop the thread takes up to `prefill_chunk` prompt tokens of waiting requests while the batch
+has room (a long prompt is split across loops, so it delays every running stream by at most one
+chunk) and runs one batched step over every running request. With requests running, the chunks ride
+along that step, one target forward for both, so the weights are read once (`mixed_prefill`: at
+concurrency 8, prefill forwards of their own took a third of the engine's time;
+~/.cache/eagle3-runs/s42/split.py); with none running they are prefilled alone. A request joins the
+batch after the forward that finished its prompt and leaves when it finishes or is cancelled (its
+slot is free for the next loop). Only a full queue is refused.
 
 Prefill order: the prompt with the fewest tokens left goes first (shortest remaining first), so a
 short chat turn does not wait seconds behind a long document's chunks: in a FIFO on 2 CPU cores,
@@ -62,6 +65,9 @@ class Totals:
     requests_failed: int = 0
     batch_steps: int = 0
     batch_size_hist: Counter = field(default_factory=Counter)  # running batch size -> steps
+    prefill_s: float = 0.0  # the engine thread's time in prompt chunks run alone
+    step_s: float = 0.0     # ... in batched steps (drafting, verify, bookkeeping, riding chunks)
+    mixed_steps: int = 0    # steps that prompt chunks rode along
 
 
 class QueueFull(Exception):
@@ -70,18 +76,19 @@ class QueueFull(Exception):
 
 class EngineWorker:
     def __init__(self, engine, max_queue: int, max_batch: int = 16, prefill_chunk: int = 256,
-                 policy=None, max_overtaken: int = 8):
+                 policy=None, max_overtaken: int = 8, mixed_prefill: bool = True):
         if min(max_batch, prefill_chunk) < 1 or max_overtaken < 0:
             raise ValueError("need max_batch >= 1, prefill_chunk >= 1 and max_overtaken >= 0")
         self.engine, self.max_queue = engine, max_queue
         self.max_batch, self.prefill_chunk, self.policy = max_batch, prefill_chunk, policy
-        self.max_overtaken = max_overtaken
+        self.max_overtaken, self.mixed_prefill = max_overtaken, mixed_prefill
         self.totals = Totals()
         self._q: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._outstanding = 0          # queued + prefilling + running
         self._waiting: list[Job] = []  # arrival order; a job's request is opened at its first chunk
         self._prefilling: Job | None = None  # the job whose chunk is running (its failure is its own)
+        self._riding: list[Job] = []  # jobs whose chunks ride along the running step
         self._running: list[Job] = []
         self._ids = itertools.count(1)
         self._batch = None  # the engine's running batch (the worker thread's; replaced after a failed step)
@@ -126,6 +133,8 @@ class EngineWorker:
         out = {"max_batch": self.max_batch, "running_batch": len(self._running),
                "prefill_order": "shortest_remaining_first", "max_overtaken": self.max_overtaken,
                "batch_steps": t.batch_steps,
+               "mixed_prefill": self.mixed_prefill, "mixed_steps": t.mixed_steps,
+               "prefill_s": round(t.prefill_s, 3), "step_s": round(t.step_s, 3),
                "batch_size_hist": {str(b): n for b, n in sorted(hist.items())},
                "mean_batch_size": (sum(b * n for b, n in hist.items()) / sum(hist.values())
                                    if hist else None)}
@@ -154,8 +163,12 @@ class EngineWorker:
             if not self._pull(block=idle) or self._stopping:
                 break
             self._drop_cancelled(batch)
+            t0, riders = time.perf_counter(), []
             try:
-                self._prefill(batch)
+                if self.mixed_prefill and self._running:
+                    riders = self._riders(batch)
+                else:
+                    self._prefill(batch)
             except Exception as e:  # an engine bug fails the request it touched, not the server
                 job, self._prefilling = self._prefilling, None
                 log.exception("request %s: engine error in prefill", job.id if job else "-")
@@ -163,17 +176,22 @@ class EngineWorker:
                     self._waiting.remove(job)
                     self._close(batch, job)
                     self._fail(job, f"engine error: {type(e).__name__}")
+            t1 = time.perf_counter()
+            self.totals.prefill_s += t1 - t0
             try:
                 if self._running:
-                    self._step(batch)
+                    self._step(batch, riders)
             except Exception as e:  # the batch's state is suspect: fail its requests, start afresh
                 log.exception("engine error in a batched step")
-                for job in self._running:
+                for job in self._running + self._riding:  # a rider may be the cause: it is not retried
                     self._fail(job, f"engine error: {type(e).__name__}")
-                self._running = []
+                    if job in self._waiting:
+                        self._waiting.remove(job)
+                self._running, self._riding = [], []
                 for job in self._waiting:  # prompts begun in the old batch restart in the new one
                     job.request = None
                 self._batch = self.engine.batch()
+            self.totals.step_s += time.perf_counter() - t1
 
     def _pull(self, block: bool) -> bool:
         """Move submitted jobs to the waiting line; False once stop() was called."""
@@ -201,27 +219,46 @@ class EngineWorker:
         budget = self.prefill_chunk
         while budget > 0 and (job := self._next_prompt()) is not None:
             self._prefilling = job
-            if job.request is None:
-                job.t0 = time.perf_counter()
-                job.request = batch.open(job.input_ids, job.max_new_tokens, job.temperature,
-                                         tuple(job.stop), job.seed)
+            self._open(batch, job)
             n = min(budget, job.prompt_left())
             budget -= n
             out = batch.prefill(job.request, n)
             self._prefilling = None
             if out is None:  # prompt left: the budget is spent
                 return
-            self._waiting.remove(job)
-            for other in self._waiting:
-                other.overtaken += other.id < job.id
-            self._running.append(job)
-            self._deliver(batch, job, out)
+            self._joined(batch, job, out)
 
-    def _next_prompt(self) -> Job | None:
+    def _riders(self, batch) -> list[tuple[Job, int]]:
+        """The chunks of this loop's prompt tokens (as _prefill picks them) for the step to carry."""
+        budget, riders = self.prefill_chunk, []
+        while budget > 0 and (job := self._next_prompt([j for j, _ in riders])) is not None:
+            self._prefilling = job
+            self._open(batch, job)
+            self._prefilling = None
+            n = min(budget, job.prompt_left())
+            budget -= n
+            riders.append((job, n))
+        return riders
+
+    def _open(self, batch, job: Job) -> None:
+        if job.request is None:
+            job.t0 = time.perf_counter()
+            job.request = batch.open(job.input_ids, job.max_new_tokens, job.temperature,
+                                     tuple(job.stop), job.seed)
+
+    def _joined(self, batch, job: Job, out: list[int]) -> None:
+        """job's prompt is done: it runs from the next step; out = its first tokens."""
+        self._waiting.remove(job)
+        for other in self._waiting:
+            other.overtaken += other.id < job.id
+        self._running.append(job)
+        self._deliver(batch, job, out)
+
+    def _next_prompt(self, taken: Sequence[Job] = ()) -> Job | None:
         """Shortest remaining prompt first; one passed by max_overtaken later arrivals goes first.
         Prompts already begun always qualify; a new one only while the batch has room for it."""
         room = self.max_batch - self.in_flight
-        ready = [j for j in self._waiting if j.request is not None or room > 0]
+        ready = [j for j in self._waiting if j not in taken and (j.request is not None or room > 0)]
         if not ready:
             return None
         due = [j for j in ready if j.overtaken >= self.max_overtaken]
@@ -229,17 +266,35 @@ class EngineWorker:
             return due[0]
         return min(ready, key=lambda j: (j.prompt_left(), j.id))
 
-    def _step(self, batch) -> None:
+    def _step(self, batch, riders: Sequence[tuple[Job, int]] = ()) -> None:
         jobs = {j.request: j for j in self._running}
         k = self.policy.choose(len(jobs)) if self.policy is not None else None
-        out = batch.step(k)
+        self._riding = [j for j, _ in riders]
+        out = batch.step(k, [(j.request, n) for j, n in riders])
+        self._riding = []
         self.totals.batch_steps += 1
         self.totals.batch_size_hist[len(jobs)] += 1
-        if self.policy is not None:
-            self.policy.observe(len(jobs), k, batch.step_s, [r.last_accepted for r, _ in out],
-                                [r.last_drafted for r, _ in out], batch.resume_catch_up_s)
-        for r, toks in out:
+        self.totals.mixed_steps += bool(riders)
+        rows = [(r, toks) for r, toks in out if r in jobs]
+        if self.policy is not None:  # a step that carried prompt chunks cost more than its draft size
+            self.policy.observe(len(jobs), k, None if riders else batch.step_s,
+                                [r.last_accepted for r, _ in rows], [r.last_drafted for r, _ in rows],
+                                batch.resume_catch_up_s)
+        for r, toks in rows:
             self._deliver(batch, jobs[r], toks)
+        riding = {j.request: j for j, _ in riders}
+        if batch.failed_prompts:  # the riders' forward failed, the rows' retry did not: theirs alone
+            err = batch.prompt_error
+            log.error("requests %s: engine error in prefill riding a step: %r",
+                      [riding[r].id for r in batch.failed_prompts], err)
+            for r in batch.failed_prompts:
+                job = riding.pop(r)
+                self._waiting.remove(job)
+                self._close(batch, job)
+                self._fail(job, f"engine error: {type(err).__name__}")
+        for r, toks in out:
+            if r in riding:
+                self._joined(batch, riding[r], toks)
 
     def _deliver(self, batch, job: Job, toks: list[int]) -> None:
         if toks:

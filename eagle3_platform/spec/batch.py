@@ -89,6 +89,9 @@ class Batch:
         self.catch_up_s = 0.0  # of the last step: drafter backlogs appended before drafting
         self.resume_catch_up_s = 0.0  # the part for rows that had drafted before: steps decoded plainly
         self.step_s = 0.0  # of the last step, without catch_up_s: what its draft size cost
+        self.prompt_tokens = 0  # of the last step: prompt tokens that rode along
+        self.failed_prompts: list[Request] = []  # of the last step: riding prompts its forward lost
+        self.prompt_error: Exception | None = None
 
     def open(self, input_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
              stop: Sequence[str] = (), seed: int | None = None) -> Request:
@@ -108,18 +111,25 @@ class Batch:
     def prefill(self, r: Request, max_tokens: int | None = PREFILL_CHUNK) -> list[int] | None:
         """Runs the next chunk of r's prompt. None while prompt tokens remain; at the last chunk r
         joins the batch and the tokens it may emit (the first token, unless held back) come back."""
-        e, start = self.engine, r.prefilled
-        end = len(r.ids) if max_tokens is None else min(len(r.ids), start + max_tokens)
+        e, (start, end) = self.engine, self._chunk(r, max_tokens)
         t0 = time.perf_counter()
         # only the last position's logits are read (the first token): the lm_head over a whole chunk
         # was ~12% of a SmolLM2 prefill (1 thread, bf16)
         logits, aux = e.forward(torch.tensor([r.ids[start:end]]), None, None, r.prompt_cache, r.drafter,
                                 logits_to_keep=1)
+        return self._prefilled(r, end, logits, aux, time.perf_counter() - t0)
+
+    def _chunk(self, r: Request, max_tokens: int | None) -> tuple[int, int]:
+        start = r.prefilled
+        return start, len(r.ids) if max_tokens is None else min(len(r.ids), start + max_tokens)
+
+    def _prefilled(self, r: Request, end: int, logits, aux, seconds: float) -> list[int] | None:
+        """r's prompt is through the target up to `end`: the chunk's last logits [1,1,V] and features."""
         r.prefilled = end
         if aux is not None:
             r.prompt_aux.append(aux)
         if end < len(r.ids):
-            r.t_prefill += time.perf_counter() - t0
+            r.t_prefill += seconds
             return None
         first = self._pick(logits[0, -1], r)
         if r.drafter is not None:  # entry t = (g_t, x_{t+1}): the prompt shifted by one + first
@@ -131,10 +141,20 @@ class Batch:
         return r.fin.push([first])
 
     @torch.no_grad()
-    def step(self, max_draft_tokens: int | None = None) -> list[tuple[Request, list[int]]]:
+    def step(self, max_draft_tokens: int | None = None,
+             prompts: Sequence[tuple[Request, int]] = ()) -> list[tuple[Request, list[int]]]:
         """One verify step over every running row -> (request, tokens it may emit now) per row.
-        max_draft_tokens caps each row's draft (0 = plain decoding this step; None = the config)."""
-        t0, rows, e = time.perf_counter(), self.rows, self.engine
+        max_draft_tokens caps each row's draft (0 = plain decoding this step; None = the config).
+        prompts: (request, up to n tokens) chunks of waiting prompts, run in the same target forward
+        (as prefill() would, but sharing the step's weight reads); a prompt done here joins the batch
+        after the step and comes back too, with its first token (as from prefill). If that forward
+        fails, the rows step alone and the prompts are given up (their caches may hold part of the
+        chunk): `failed_prompts` and `prompt_error` say so; a failure of the rows' own step raises.
+        Drafting leaves the drafters committed and a failed forward commits nothing in the batch
+        cache, so the rows' retry starts from the same state."""
+        if not self.rows:
+            raise ValueError("a step needs running rows (prefill() runs a prompt alone)")
+        t0, rows, e = time.perf_counter(), list(self.rows), self.engine
         trees = self._propose(rows, max_draft_tokens)
         q = max(len(t) for t in trees)
         tokens, depth, anc = _pad_trees(trees, q)  # [B,q], [B,q], [B,q,q]
@@ -142,8 +162,19 @@ class Batch:
         self.cache.begin(q)
         mask = self.cache.mask(anc) if len(rows) > 1 or q > 1 else None  # [B,1,q,S]
         any_drafter = any(r.drafter is not None for r in rows)
-        logits, aux = e.forward(tokens, mask, pos, self.cache, e.draft if any_drafter else None,
-                                row_groups=self.cache.groups)
+        spans = [self._chunk(r, n) for r, n in prompts]
+        chunks = [(torch.tensor([r.ids[a:z]]), r.prompt_cache, r.drafter) for (r, _), (a, z) in zip(prompts, spans)]
+        self.failed_prompts, self.prompt_error = [], None
+        try:
+            logits, aux, chunk_out = e.forward_with_prompts(tokens, mask, pos, self.cache,
+                                                            e.draft if any_drafter else None, self.cache.groups, chunks)
+        except Exception as err:
+            if not prompts:
+                raise
+            self.failed_prompts, self.prompt_error = [r for r, _ in prompts], err
+            prompts = spans = chunk_out = ()
+            logits, aux = e.forward(tokens, mask, pos, self.cache, e.draft if any_drafter else None,
+                                    row_groups=self.cache.groups)
         out = []
         for b, (r, tree) in enumerate(zip(rows, trees)):
             path, bonus = self._accept(tree, logits[b, :len(tree)], r)
@@ -156,7 +187,13 @@ class Batch:
             r.last_drafted = int(depth[b, :len(tree)].max())
             r.hist[len(new)] += 1
             out.append((r, r.fin.push(new)))
+        seconds = time.perf_counter() - t0
+        for (r, _), (_, z), (c_logits, c_aux) in zip(prompts, spans, chunk_out):  # after the rows' keep
+            joined = self._prefilled(r, z, c_logits, c_aux, seconds)
+            if joined is not None:
+                out.append((r, joined))
         self.step_s = time.perf_counter() - t0 - self.catch_up_s
+        self.prompt_tokens = sum(z - a for a, z in spans)  # of the last step: its cost is not the rows' alone
         return out
 
     def close(self, r: Request) -> dict:

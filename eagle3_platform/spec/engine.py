@@ -30,7 +30,7 @@ from eagle3_platform.features.capture import forward_capture
 from eagle3_platform.spec.batch import Batch
 from eagle3_platform.spec.config import PRESETS, SpecConfig
 from eagle3_platform.spec.drafter import EagleDrafter
-from eagle3_platform.spec.forward import step_forward, supports
+from eagle3_platform.spec.forward import mixed_forward, step_forward, supports
 from eagle3_platform.spec.lookup import LookupDrafter
 
 
@@ -128,3 +128,18 @@ class SpecEngine:
                 return self.model(input_ids=ids, **kw).logits, None
             out = forward_capture(self.model, ids, self.layer_ids, **kw)
         return out.logits, out.aux_hidden
+
+    def forward_with_prompts(self, ids, mask, pos, cache, drafter, row_groups, prompts):
+        """A step (as forward) with prompt chunks [(ids [1,c], prompt cache, drafter)] in the same
+        target forward (forward.mixed_forward) -> (logits, aux, [(last logits [1,1,V], aux | None)] per
+        chunk). Features where the step's or the chunk's drafter consumes them. Where the step does not
+        go through forward.py's loop, the chunks run apart first."""
+        if not prompts or not (self.use_step_forward and (mask is not None or ids.shape == (1, 1))):
+            chunks = [self.forward(c, None, None, c_cache, d, logits_to_keep=1) for c, c_cache, d in prompts]
+            return (*self.forward(ids, mask, pos, cache, drafter, row_groups=row_groups), chunks)
+        wants = drafter is not None or any(d is not None for _, _, d in prompts)
+        with threads(self.target_threads):
+            logits, aux, chunks = mixed_forward(self.model, ids, pos, mask, cache,
+                                                self.layer_ids if wants else (), 0, row_groups,
+                                                [(c, c_cache) for c, c_cache, _ in prompts])
+        return logits, aux, chunks

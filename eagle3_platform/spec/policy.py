@@ -208,28 +208,25 @@ class DraftSizePolicy:
             return kept
         return k
 
-    def observe(self, batch_size: int, k: int, seconds: float, accepted: list[int],
+    def observe(self, batch_size: int, k: int, seconds: float | None, accepted: list[int],
                 drafted: list[int] | None = None, catch_up_s: float = 0.0) -> None:
-        """One finished step at draft size k: its wall time (without the head's catch-up), each
+        """One finished step at draft size k: its wall time (without the head's catch-up; None where
+        the step did other work too, e.g. carried prompt chunks: then only acceptance is learnt), each
         sequence's accepted draft tokens, the depth its draft reached (None: k for every row, a draft
         never cut short) and the seconds its drafters spent before drafting on the steps decoded
         plainly since they last drafted (Batch.resume_catch_up_s)."""
         drafted = [k] * len(accepted) if drafted is None else drafted
         b = _bucket(batch_size)
-        if k > 0 and self._last_k == 0:  # the first drafts after plain steps: what returning to drafts cost
+        # the first drafts after plain steps: what returning to drafts cost
+        if k > 0 and self._last_k == 0 and seconds is not None:
             prev = self.catch_up.get(b)
             self.catch_up[b] = catch_up_s if prev is None else prev + EMA * (catch_up_s - prev)
         self._last_k = k
         self.hist[k] += 1
         lo, hi = self.caps.get(b, (k, k))
         self.caps[b] = (min(lo, k), max(hi, k))
-        y = seconds / batch_size
-        self.lines.setdefault(b, CostLine()).add(max(drafted, default=0), y)
-        if k == 0:  # the mean forgets per step of the bucket, as the line does, not per plain step
-            gap = max(1, self._steps[b] - self._plain_at.get(b, 0))  # >= 1: an observe without a choose
-            prev, w = self.plain.get(b), 1 - (1 - EMA) ** gap
-            self.plain[b] = y if prev is None else prev + w * (y - prev)
-            self._plain_at[b] = self._steps[b]
+        if seconds is not None:
+            self._observe_cost(b, k, seconds / batch_size, drafted)
         for d in range(1, k + 1):
             parents = [m for m in drafted if m >= d - 1]  # drafts that reached depth d-1
             if not parents:
@@ -238,6 +235,15 @@ class DraftSizePolicy:
             tried = [a for a, m in zip(accepted, drafted) if a >= d - 1 and m >= d]  # parent accepted
             if tried:
                 self._update(self.depth_accept, "h", d, sum(a >= d for a in tried) / len(tried))
+
+    def _observe_cost(self, b: int, k: int, y: float, drafted: list[int]) -> None:
+        """A step's seconds per sequence y at draft size k in bucket b: the cost line, plain's mean."""
+        self.lines.setdefault(b, CostLine()).add(max(drafted, default=0), y)
+        if k == 0:  # the mean forgets per step of the bucket, as the line does, not per plain step
+            gap = max(1, self._steps[b] - self._plain_at.get(b, 0))  # >= 1: an observe without a choose
+            prev, w = self.plain.get(b), 1 - (1 - EMA) ** gap
+            self.plain[b] = y if prev is None else prev + w * (y - prev)
+            self._plain_at[b] = self._steps[b]
 
     def _update(self, means: dict, kind: str, d: int, x: float) -> None:
         """means[d] <- x: the mean of an optimistic pseudo-step (1.0) and the first 1/EMA updates, then

@@ -62,18 +62,34 @@ class FakeBatch:
     def open(self, input_ids, max_new_tokens, temperature=0.0, stop=(), seed=None) -> FakeRequest:
         return FakeRequest(self.engine, input_ids, max_new_tokens, temperature, stop, seed)
 
-    def prefill(self, r: FakeRequest, max_tokens=None):
+    def prefill(self, r: FakeRequest, max_tokens=None, join: bool = True):
         start = r.prefilled
         r.prefilled = len(r.ids) if max_tokens is None else min(len(r.ids), r.prefilled + max_tokens)
         self.engine.events.append(("prefill", r.prefilled - start))
         if r.prefilled < len(r.ids):
             return None
-        self.rows.append(r)
+        if join:
+            self.rows.append(r)
         return r.next_chunk()
 
-    def step(self, max_draft_tokens=None):
-        self.engine.events.append(("step", len(self.rows)))
-        return [(r, r.next_chunk()) for r in list(self.rows)]
+    def step(self, max_draft_tokens=None, prompts=()):
+        """The rows' chunks, then those of the prompts (request, n) done in this step (they join after
+        it). As the real Batch: if a riding prompt's part fails, every rider is given up
+        (`failed_prompts`) and the rows step alone."""
+        if not self.rows:
+            raise ValueError("a step needs running rows")
+        rows, joined = list(self.rows), []
+        self.failed_prompts, self.prompt_error = [], None
+        try:
+            for r, n in prompts:
+                if (out := self.prefill(r, n, join=False)) is not None:
+                    joined.append((r, out))
+        except Exception as e:
+            self.failed_prompts, self.prompt_error, joined = [r for r, _ in prompts], e, []
+        self.engine.events.append(("step", len(rows)))
+        out = [(r, r.next_chunk()) for r in rows]
+        self.rows += [r for r, _ in joined]
+        return out + joined
 
     def close(self, r: FakeRequest) -> dict:
         if r in self.rows:
