@@ -328,7 +328,7 @@ def test_a_request_joins_the_running_batch_and_long_prompts_are_chunked(tok):
     """A later request starts streaming while an earlier one is still decoding (it joins the batch at
     the next step instead of waiting), and its long prompt is prefilled in chunks between steps."""
     engine = FakeEngine(word_token_ids(tok), chunk=1, delay_s=0.02)
-    app, _ = make_app(tok, engine=engine, prefill_chunk=8)
+    app, _ = make_app(tok, engine=engine, prefill_chunk=8, mixed_prefill_tokens=8)
     with ThreadServer(app) as srv:
         done = _second_request_while_the_first_decodes(srv, engine, ("q", 40),
                                                        ("a much longer prompt " * 6, 3))
@@ -507,8 +507,8 @@ def test_build_engine_runs_the_target_on_target_threads(tiny_target_dir):
     assert PRESETS["tiny"].target_threads is None and PRESETS["tiny"].torch_threads == 1
 
 
-@pytest.mark.parametrize("mixed_prefill", [True, False])
-def test_real_engine_batched_requests_equal_each_alone(tiny_target_dir, tiny_export, mixed_prefill):
+@pytest.mark.parametrize("mixed_prefill_tokens", [16, 0])
+def test_real_engine_batched_requests_equal_each_alone(tiny_target_dir, tiny_export, mixed_prefill_tokens):
     """Concurrent greedy requests (mixed prompt lengths and budgets, staggered) through the batching
     server give what each request gives alone (fp32: exact), with the draft size chosen per step,
     whether prompt chunks ride along the running step or are prefilled apart."""
@@ -523,7 +523,7 @@ def test_real_engine_batched_requests_equal_each_alone(tiny_target_dir, tiny_exp
                                                    add_generation_prompt=True, tokenize=True)["input_ids"]
         alone[text] = target.tokenizer.decode(engine.generate(ids, n)[0], skip_special_tokens=True)
     app = build_app(engine, target.tokenizer, ServeConfig(max_tokens=24, prefill_chunk=16,
-                                                          mixed_prefill=mixed_prefill),
+                                                          mixed_prefill_tokens=mixed_prefill_tokens),
                     model_name="eagle3", context_length=512, info=meta)
     got = {}
     with ThreadServer(app) as srv:
@@ -542,7 +542,8 @@ def test_real_engine_batched_requests_equal_each_alone(tiny_target_dir, tiny_exp
     assert any(int(b) > 1 for b in info["batch_size_hist"])
     assert sum(info["draft_size_hist"].values()) == info["batch_steps"]
     assert info["draft_size_current"] in range(0, 12)
-    assert info["mixed_prefill"] is mixed_prefill and (info["mixed_steps"] > 0) == mixed_prefill
+    assert info["mixed_prefill_tokens"] == mixed_prefill_tokens
+    assert (info["mixed_steps"] > 0) == (mixed_prefill_tokens > 0)
     assert info["step_s"] > 0 and info["prefill_s"] > 0  # the first prompt has nothing to ride
 
 

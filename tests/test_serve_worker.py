@@ -71,7 +71,44 @@ def test_new_prompts_wait_for_room_in_the_batch():
     assert worker._next_prompt() is None  # r2 is not opened while the batch is full
 
 
-@pytest.mark.parametrize("kw", [{"prefill_chunk": 0}, {"max_batch": 0}, {"max_overtaken": -1}])
+def _loop_mixed(worker, batch) -> None:
+    """A whole loop of the worker thread: with requests running, a step carrying prompt chunks."""
+    worker._pull(block=False)
+    riders = worker._take_prompts(batch)
+    if worker._running:
+        worker._step(batch, riders)
+
+
+def test_running_steps_carry_prompt_chunks_shortest_first_within_their_budget():
+    worker, batch = _worker(prefill_chunk=64, mixed_prefill_tokens=8)
+    events, firsts = batch.engine.events, []
+    _submit(worker, "run", 3, firsts)
+    _loop_mixed(worker, batch)  # nothing runs yet: prefilled alone, in one forward of up to 64
+    assert firsts == ["run"] and events == [("prefill", 3), ("step", 1)]
+    long = _submit(worker, "long", 20, firsts)
+    _submit(worker, "short", 5, firsts)
+    _loop_mixed(worker, batch)  # the step carries the short prompt, then 3 of the long one's tokens
+    assert events[2:] == [("prefill", 5), ("prefill", 3), ("step", 1)]
+    assert firsts == ["run", "short"] and long.request.prefilled == 3 and worker.totals.mixed_steps == 1
+    while "long" not in firsts:
+        _loop_mixed(worker, batch)
+    assert [n for kind, n in events[5:] if kind == "prefill"] == [8, 8, 1]  # within the step's budget
+    assert worker.totals.mixed_steps == 4 and worker.in_flight <= 3
+
+
+def test_mixed_prefill_off_prefills_apart_while_requests_run():
+    worker, batch = _worker(prefill_chunk=64, mixed_prefill_tokens=0)
+    firsts = []
+    _submit(worker, "run", 3, firsts)
+    _loop_mixed(worker, batch)
+    _submit(worker, "next", 5, firsts)
+    _loop_mixed(worker, batch)  # a forward of its own, then the step over both
+    assert batch.engine.events == [("prefill", 3), ("step", 1), ("prefill", 5), ("step", 2)]
+    assert firsts == ["run", "next"] and worker.totals.mixed_steps == 0
+
+
+@pytest.mark.parametrize("kw", [{"prefill_chunk": 0}, {"max_batch": 0}, {"max_overtaken": -1},
+                                {"mixed_prefill_tokens": -1}])
 def test_settings_that_would_stall_the_worker_are_refused(kw):
     with pytest.raises(ValueError, match="need max_batch"):
         _worker(**kw)

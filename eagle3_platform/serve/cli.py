@@ -30,8 +30,8 @@ def add_commands(sub) -> None:
                    help="prompt tokens prefilled between two decode steps (TTFT vs stream stalls)")
     p.add_argument("--max-overtaken", type=int, default=None,
                    help="prefill order: shortest prompt first, none passed more than this often (0: FIFO)")
-    p.add_argument("--no-mixed-prefill", dest="mixed_prefill", action="store_false",
-                   help="prefill prompt chunks in forwards of their own, not riding along the running step")
+    p.add_argument("--mixed-prefill-tokens", type=int, default=None,
+                   help="prompt tokens a running decode step carries in its forward (0: prefill apart)")
     p.add_argument("--fixed-draft", action="store_true",
                    help="always verify the spec preset's full draft (no per-step draft size choice)")
     p.add_argument("--model-name", default=None, help="id shown by /v1/models")
@@ -62,7 +62,7 @@ def serve(a) -> dict:
     cfg = PRESETS[a.preset].with_(host=a.host, port=a.port, max_tokens=a.max_tokens,
                                   max_queue=a.max_queue, max_batch=a.max_batch,
                                   prefill_chunk=a.prefill_chunk, max_overtaken=a.max_overtaken,
-                                  mixed_prefill=None if a.mixed_prefill else False,
+                                  mixed_prefill_tokens=a.mixed_prefill_tokens,
                                   adaptive_draft=False if a.fixed_draft else None,
                                   model_name=a.model_name,
                                   torch_threads=a.threads, target_threads=a.target_threads,

@@ -14,7 +14,7 @@ class ServeConfig:
     max_batch: int = 16               # requests decoded together (continuous batching); others wait
     prefill_chunk: int = 256          # prompt tokens prefilled between two decode steps
     max_overtaken: int = 8            # shortest prompt first, but none is passed more than this often
-    mixed_prefill: bool = True        # prompt chunks ride along the running step (one target forward)
+    mixed_prefill_tokens: int = 128   # prompt tokens a running step carries (one forward); 0 = apart
     adaptive_draft: bool = True       # choose the draft size per step from measured cost/acceptance
     max_body_bytes: int = 1 << 20     # request bodies larger than this → 413
     max_stop: int = 4                 # OpenAI allows up to 4 stop strings

@@ -78,7 +78,8 @@ class Service:
         self.api_key = api_key or None
         self.info = info or {}
         self.worker = EngineWorker(engine, cfg.max_queue, cfg.max_batch, cfg.prefill_chunk,
-                                   draft_size_policy(engine, cfg), cfg.max_overtaken, cfg.mixed_prefill)
+                                   draft_size_policy(engine, cfg), cfg.max_overtaken,
+                                   cfg.mixed_prefill_tokens)
         self.started = time.time()
         self.counts = {"requests_total": 0, "requests_rejected": 0, "requests_ok": 0,
                        "requests_failed": 0, "requests_disconnected": 0}
