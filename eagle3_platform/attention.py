@@ -155,7 +155,9 @@ def _scores(qg: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     return torch.matmul(key, qg.transpose(-1, -2)).transpose(-1, -2)
 
 
-_last_bias: tuple = (None, None, None)  # (mask, (version, r, S), bias): a forward's layers share a mask
+# the last two (mask, (version, r, S), bias): a forward's layers share its masks, and a step carrying a
+# prompt chunk (spec/forward.mixed_forward) alternates two per layer, the rows' and the chunk's
+_last_biases: tuple = ()
 
 
 def _grouped_bias(mask: torch.Tensor, r: int, S: int) -> torch.Tensor:
@@ -163,11 +165,12 @@ def _grouped_bias(mask: torch.Tensor, r: int, S: int) -> torch.Tensor:
     S' masked: a whole buffer's spare slots), computed once
     per forward: transformers hands every layer the same mask object, so later layers reuse it (the
     version counter catches a mask changed in place; holding the mask keeps its identity unique)."""
-    global _last_bias
+    global _last_biases
     tracked = not mask.is_inference()  # inference tensors have no version counter: not memoised
-    given, key, bias = _last_bias
-    if tracked and given is mask and key == (mask._version, r, S):
-        return bias
+    if tracked:
+        for given, key, bias in _last_biases:
+            if given is mask and key == (mask._version, r, S):
+                return bias
     m = mask[..., :S]
     m = m.repeat(1, 1, r, 1) if m.shape[2] > 1 else m  # row i*q+j is query token j of head i
     if m.dtype == torch.bool:
@@ -177,8 +180,8 @@ def _grouped_bias(mask: torch.Tensor, r: int, S: int) -> torch.Tensor:
         bias = m.float()
     if bias.shape[-1] < S:
         bias = torch.nn.functional.pad(bias, (0, S - bias.shape[-1]), value=torch.finfo(torch.float32).min)
-    if tracked:
-        _last_bias = (mask, (mask._version, r, S), bias)  # one assignment: atomic for a concurrent reader
+    if tracked:  # one assignment: atomic for a concurrent reader
+        _last_biases = ((mask, (mask._version, r, S), bias),) + _last_biases[:1]
     return bias
 
 

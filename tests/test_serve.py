@@ -544,7 +544,7 @@ def test_real_engine_batched_requests_equal_each_alone(tiny_target_dir, tiny_exp
     assert info["draft_size_current"] in range(0, 12)
     assert info["mixed_prefill_tokens"] == mixed_prefill_tokens
     assert (info["mixed_steps"] > 0) == (mixed_prefill_tokens > 0)
-    assert info["step_s"] > 0 and info["prefill_s"] > 0  # the first prompt has nothing to ride
+    assert info["step_s"] > 0
 
 
 def test_the_worker_hands_the_policy_each_steps_catch_up(tiny_target_dir, tiny_export):

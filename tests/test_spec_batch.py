@@ -112,6 +112,7 @@ def test_prompts_riding_the_steps_keep_greedy_output(target, refs, kind):
         engine = _oracle_engine(target, refs, PRESETS["chain"], order)
     else:
         engine = SpecEngine(target, random_draft(target, 64) if kind != "baseline" else None, PRESETS[kind])
+    assert engine.use_step_forward  # chunks go through forward.mixed_forward, not apart
     calls = []
     real = engine.forward_with_prompts
     engine.forward_with_prompts = lambda *a: calls.append(len(a[-1])) or real(*a)
@@ -121,24 +122,32 @@ def test_prompts_riding_the_steps_keep_greedy_output(target, refs, kind):
         assert out[i] == refs[p][:max_new[i]], (kind, i)
 
 
-def test_a_failed_forward_with_riding_prompts_gives_them_up_and_the_rows_step_alone(target, refs):
-    """If the step's forward with prompt chunks fails, the running rows step alone (their output
-    unchanged) and the riders are given up with the error, not half-prefilled into the batch."""
+@pytest.mark.parametrize("where", ["cache", "drafter"])
+def test_a_riding_prompt_that_fails_is_given_up_and_the_rows_decode_on(target, refs, where):
+    """cache: the step's forward fails halfway (a rider's cache write at layer 1, after the rows'
+    layers 0-1 were written): the rows step again alone. drafter: the rider's own part after the
+    forward (its head's prefill) fails. Either way the riders are given up with the error, not
+    half-joined, and the rows' greedy output is unchanged (fp32)."""
     engine = SpecEngine(target, random_draft(target, 64), PRESETS["chain"])
     batch = engine.batch()
-    first, second = (_ids(target, p) for p in PROMPTS[:2])
+    first, second, third = (_ids(target, p) for p in PROMPTS[:3])
     r = batch.open(first, MAX_NEW)
     out = batch.prefill(r, None)
-    rider = batch.open(second, MAX_NEW)
-    engine.forward_with_prompts = lambda *a: (_ for _ in ()).throw(RuntimeError("chunk bug"))
-    stepped = batch.step(None, [(rider, 4)])
-    assert [x for x, _ in stepped] == [r] and batch.rows == [r]
-    assert batch.failed_prompts == [rider] and isinstance(batch.prompt_error, RuntimeError)
+    rider, other = batch.open(second, MAX_NEW), batch.open(third, MAX_NEW)
+    if where == "cache":
+        update = rider.prompt_cache.update
+        rider.prompt_cache.update = lambda k, v, i, *a: (_ for _ in ()).throw(RuntimeError("bug")) if i == 1 \
+            else update(k, v, i, *a)
+    else:
+        rider.drafter.prefill = lambda *a: (_ for _ in ()).throw(RuntimeError("bug"))
+    stepped = batch.step(None, [(rider, 64), (other, 64)])  # both prompts whole: done in this step
+    failed = [rider, other] if where == "cache" else [rider]  # a shared forward fails them all
+    assert batch.failed_prompts == failed and isinstance(batch.prompt_error, RuntimeError)
+    assert set(batch.rows) == ({r, other} if where == "drafter" else {r})
+    assert [x for x, _ in stepped] == [r] + [other] * (where == "drafter")
     out += stepped[0][1]
-    del engine.forward_with_prompts
     while not r.done:
-        [(_, toks)] = batch.step()
-        out += toks
+        out += next(toks for x, toks in batch.step() if x is r)
     assert out == refs[PROMPTS[0]][:MAX_NEW] and batch.failed_prompts == []
 
 

@@ -267,16 +267,19 @@ def test_the_head_catch_up_after_plain_steps_is_reported_not_charged(catch_up):
 
 def test_a_step_that_carried_prompt_chunks_teaches_acceptance_but_not_cost():
     """seconds None (the worker's steps with prompt chunks riding along, whose time is not the draft
-    size's): acceptance and the histogram are learnt, the cost line and plain decoding's cost not."""
+    size's): acceptance, the histogram and the catch-up (timed before the forward) are learnt; the
+    cost line, the sizes it was timed at and plain decoding's cost are not."""
     p = DraftSizePolicy(k_max=4)
     for _ in range(5):
         p.observe(2, 4, 0.05, [1, 3])
         p.observe(2, 0, 0.03, [0, 0])
-    before = (p.info()["step_cost_ms_by_batch"], p.info()["plain_step_ms_by_batch"], dict(p.catch_up))
-    accept = dict(p.depth_accept)
+    before = (p.info()["step_cost_ms_by_batch"], p.info()["plain_step_ms_by_batch"], dict(p.caps))
+    accept, catch_up = dict(p.depth_accept), p.catch_up[2]
     for _ in range(20):
         p.observe(2, 4, None, [4, 4], catch_up_s=1.0)  # a slow step: prompt tokens rode along
         p.observe(2, 0, None, [0, 0])
+        p.observe(2, 1, None, [1, 1])  # a size never timed: the line is not stretched to it
     info = p.info()
-    assert (info["step_cost_ms_by_batch"], info["plain_step_ms_by_batch"], dict(p.catch_up)) == before
-    assert p.depth_accept[4] > accept[4] and info["draft_size_hist"] == {"0": 25, "4": 25}
+    assert (info["step_cost_ms_by_batch"], info["plain_step_ms_by_batch"], dict(p.caps)) == before
+    assert p.depth_accept[4] > accept[4] and p.catch_up[2] > catch_up
+    assert info["draft_size_hist"] == {"0": 25, "1": 20, "4": 25}

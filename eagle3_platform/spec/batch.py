@@ -117,16 +117,18 @@ class Batch:
         # was ~12% of a SmolLM2 prefill (1 thread, bf16)
         logits, aux = e.forward(torch.tensor([r.ids[start:end]]), None, None, r.prompt_cache, r.drafter,
                                 logits_to_keep=1)
-        return self._prefilled(r, end, logits, aux, time.perf_counter() - t0)
+        first = self._prefilled(r, end, logits, aux, time.perf_counter() - t0)
+        return None if first is None else self._join(r, first)
 
     def _chunk(self, r: Request, max_tokens: int | None) -> tuple[int, int]:
         start = r.prefilled
         return start, len(r.ids) if max_tokens is None else min(len(r.ids), start + max_tokens)
 
-    def _prefilled(self, r: Request, end: int, logits, aux, seconds: float) -> list[int] | None:
-        """r's prompt is through the target up to `end`: the chunk's last logits [1,1,V] and features."""
+    def _prefilled(self, r: Request, end: int, logits, aux, seconds: float) -> int | None:
+        """r's prompt is through the target up to `end` (the chunk's last logits [1,1,V], features)
+        -> its first token once the prompt is done (the drafter has its prompt then), else None."""
         r.prefilled = end
-        if aux is not None:
+        if aux is not None and r.drafter is not None:
             r.prompt_aux.append(aux)
         if end < len(r.ids):
             r.t_prefill += seconds
@@ -134,6 +136,10 @@ class Batch:
         first = self._pick(logits[0, -1], r)
         if r.drafter is not None:  # entry t = (g_t, x_{t+1}): the prompt shifted by one + first
             r.drafter.prefill(torch.cat(r.prompt_aux, dim=1), torch.tensor(r.ids[1:] + [first]))
+        return first
+
+    def _join(self, r: Request, first: int) -> list[int]:
+        """r's prompt is done: it takes its row (the next step decodes it) -> tokens it may emit."""
         self.rows.insert(self.cache.add_row(r.prompt_cache, len(r.ids)), r)
         r.prompt_cache, r.prompt_aux = None, []
         r.n, r.pending = len(r.ids), first
@@ -149,7 +155,9 @@ class Batch:
         (as prefill() would, but sharing the step's weight reads); a prompt done here joins the batch
         after the step and comes back too, with its first token (as from prefill). If that forward
         fails, the rows step alone and the prompts are given up (their caches may hold part of the
-        chunk): `failed_prompts` and `prompt_error` say so; a failure of the rows' own step raises.
+        chunk); a prompt whose own part after it fails (its first token, its drafter's prefill) is
+        given up alone: `failed_prompts` and `prompt_error` say so. A failure of the rows' own step
+        raises.
         Drafting leaves the drafters committed and a failed forward commits nothing in the batch
         cache, so the rows' retry starts from the same state."""
         if not self.rows:
@@ -189,9 +197,14 @@ class Batch:
             out.append((r, r.fin.push(new)))
         seconds = time.perf_counter() - t0
         for (r, _), (_, z), (c_logits, c_aux) in zip(prompts, spans, chunk_out):  # after the rows' keep
-            joined = self._prefilled(r, z, c_logits, c_aux, seconds)
-            if joined is not None:
-                out.append((r, joined))
+            try:  # a prompt's own first token and drafter prefill: its failure is its own
+                first = self._prefilled(r, z, c_logits, c_aux, seconds)
+            except Exception as err:
+                self.failed_prompts.append(r)
+                self.prompt_error = err
+                continue
+            if first is not None:
+                out.append((r, self._join(r, first)))
         self.step_s = time.perf_counter() - t0 - self.catch_up_s
         self.prompt_tokens = sum(z - a for a, z in spans)  # of the last step: its cost is not the rows' alone
         return out

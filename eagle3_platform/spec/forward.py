@@ -92,8 +92,8 @@ def mixed_forward(model, ids, pos, mask, cache, layer_ids=(), logits_to_keep: in
     lasts = torch.stack([h[0, z - 1] for _, z in bounds[1:]])  # [P,H]: each chunk's last token
     logits = model.lm_head(base.norm(torch.cat([rows.reshape(-1, rows.shape[-1]), lasts])))
     n = rows.shape[0] * rows.shape[1]
-    chunk_out = [(logits[n + j].view(1, 1, -1),
-                  None if aux_all is None else aux_all[:, a:z]) for j, (a, z) in enumerate(bounds[1:])]
+    chunk_out = [(logits[n + j].view(1, 1, -1),  # a chunk's features outlive the step's: copied
+                  None if aux_all is None else aux_all[:, a:z].clone()) for j, (a, z) in enumerate(bounds[1:])]
     aux = None if aux_all is None else aux_all[0, :B * q].view(B, q, -1)
     return logits[:n].view(B, -1, logits.shape[-1]), aux, chunk_out
 

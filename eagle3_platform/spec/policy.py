@@ -217,14 +217,12 @@ class DraftSizePolicy:
         plainly since they last drafted (Batch.resume_catch_up_s)."""
         drafted = [k] * len(accepted) if drafted is None else drafted
         b = _bucket(batch_size)
-        # the first drafts after plain steps: what returning to drafts cost
-        if k > 0 and self._last_k == 0 and seconds is not None:
+        # the first drafts after plain steps: what returning to drafts cost (timed before the forward)
+        if k > 0 and self._last_k == 0:
             prev = self.catch_up.get(b)
             self.catch_up[b] = catch_up_s if prev is None else prev + EMA * (catch_up_s - prev)
         self._last_k = k
         self.hist[k] += 1
-        lo, hi = self.caps.get(b, (k, k))
-        self.caps[b] = (min(lo, k), max(hi, k))
         if seconds is not None:
             self._observe_cost(b, k, seconds / batch_size, drafted)
         for d in range(1, k + 1):
@@ -237,7 +235,10 @@ class DraftSizePolicy:
                 self._update(self.depth_accept, "h", d, sum(a >= d for a in tried) / len(tried))
 
     def _observe_cost(self, b: int, k: int, y: float, drafted: list[int]) -> None:
-        """A step's seconds per sequence y at draft size k in bucket b: the cost line, plain's mean."""
+        """A step's seconds per sequence y at draft size k in bucket b: the sizes timed (the line's
+        range), the cost line, plain's mean."""
+        lo, hi = self.caps.get(b, (k, k))
+        self.caps[b] = (min(lo, k), max(hi, k))
         self.lines.setdefault(b, CostLine()).add(max(drafted, default=0), y)
         if k == 0:  # the mean forgets per step of the bucket, as the line does, not per plain step
             gap = max(1, self._steps[b] - self._plain_at.get(b, 0))  # >= 1: an observe without a choose
