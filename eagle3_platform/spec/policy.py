@@ -211,7 +211,8 @@ class DraftSizePolicy:
     def observe(self, batch_size: int, k: int, seconds: float | None, accepted: list[int],
                 drafted: list[int] | None = None, catch_up_s: float = 0.0) -> None:
         """One finished step at draft size k: its wall time (without the head's catch-up; None where
-        the step did other work too, e.g. carried prompt chunks: then only acceptance is learnt), each
+        the step did other work too, e.g. carried prompt chunks: then acceptance and the catch-up are
+        learnt, not cost), each
         sequence's accepted draft tokens, the depth its draft reached (None: k for every row, a draft
         never cut short) and the seconds its drafters spent before drafting on the steps decoded
         plainly since they last drafted (Batch.resume_catch_up_s)."""
