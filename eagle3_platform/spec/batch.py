@@ -89,7 +89,6 @@ class Batch:
         self.catch_up_s = 0.0  # of the last step: drafter backlogs appended before drafting
         self.resume_catch_up_s = 0.0  # the part for rows that had drafted before: steps decoded plainly
         self.step_s = 0.0  # of the last step, without catch_up_s: what its draft size cost
-        self.prompt_tokens = 0  # of the last step: prompt tokens that rode along
         self.failed_prompts: list[Request] = []  # of the last step: riding prompts its forward lost
         self.prompt_error: Exception | None = None
 
@@ -206,7 +205,6 @@ class Batch:
             if first is not None:
                 out.append((r, self._join(r, first)))
         self.step_s = time.perf_counter() - t0 - self.catch_up_s
-        self.prompt_tokens = sum(z - a for a, z in spans)  # of the last step: its cost is not the rows' alone
         return out
 
     def close(self, r: Request) -> dict:
