@@ -30,7 +30,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 log = logging.getLogger("eagle3.serve")
 
@@ -226,12 +226,7 @@ class EngineWorker:
 
     def _prefill(self, batch) -> None:
         """Up to prefill_chunk prompt tokens, over as many waiting requests as fit."""
-        budget = self.prefill_chunk
-        while budget > 0 and (job := self._next_prompt()) is not None:
-            self._prefilling = job
-            self._open(batch, job)
-            n = min(budget, job.prompt_left())
-            budget -= n
+        for job, n in self._chunks(batch, self.prefill_chunk):
             out = batch.prefill(job.request, n)
             self._prefilling = None
             if out is None:  # prompt left: the budget is spent
@@ -239,16 +234,23 @@ class EngineWorker:
             self._joined(batch, job, out)
 
     def _riders(self, batch) -> list[tuple[Job, int]]:
-        """The chunks of this loop's prompt tokens (as _prefill picks them) for the step to carry."""
-        budget, riders = self.mixed_prefill_tokens, []
-        while budget > 0 and (job := self._next_prompt([j for j, _ in riders])) is not None:
+        """The chunks of this loop's prompt tokens for the step to carry."""
+        riders = list(self._chunks(batch, self.mixed_prefill_tokens))
+        self._prefilling = None
+        return riders
+
+    def _chunks(self, batch, budget: int) -> Iterator[tuple[Job, int]]:
+        """Up to `budget` prompt tokens of waiting requests in prefill order -> (job, tokens), each
+        job's request opened and `_prefilling` (an error opening or prefilling it is its own). Lazy:
+        _prefill runs each chunk, and a prompt done may change the order, before the next is picked."""
+        taken: list[Job] = []
+        while budget > 0 and (job := self._next_prompt(taken)) is not None:
             self._prefilling = job
             self._open(batch, job)
-            self._prefilling = None
             n = min(budget, job.prompt_left())
             budget -= n
-            riders.append((job, n))
-        return riders
+            taken.append(job)
+            yield job, n
 
     def _open(self, batch, job: Job) -> None:
         if job.request is None:
