@@ -115,7 +115,7 @@ class SpecEngine:
         cache's (start, stop, span) groups, for attention.py's grouped kernel (others ignore them).
         A step (positions and a mask given, or one row's one token) of a Llama-style target runs
         forward.py's loop; prefill chunks and other models run transformers' forward."""
-        if self.use_step_forward and pos is not None and (mask is not None or ids.shape == (1, 1)):
+        if self._in_step_loop(ids, mask, pos):
             layers = self.layer_ids if drafter is not None else ()
             with threads(self.target_threads):
                 return step_forward(self.model, ids, pos, mask, cache, layers, logits_to_keep, row_groups)
@@ -129,12 +129,17 @@ class SpecEngine:
             out = forward_capture(self.model, ids, self.layer_ids, **kw)
         return out.logits, out.aux_hidden
 
+    def _in_step_loop(self, ids, mask, pos) -> bool:
+        """A step (positions and a mask given, or one row's one token) of a Llama-style target: it
+        runs forward.py's loop."""
+        return self.use_step_forward and pos is not None and (mask is not None or ids.shape == (1, 1))
+
     def forward_with_prompts(self, ids, mask, pos, cache, drafter, row_groups, prompts):
         """A step (as forward) with prompt chunks [(ids [1,c], prompt cache, drafter)] in the same
         target forward (forward.mixed_forward) -> (logits, aux, [(last logits [1,1,V], aux | None)] per
         chunk). Features where the step's or the chunk's drafter consumes them. Where the step does not
         go through forward.py's loop, the chunks run apart first."""
-        if not prompts or not (self.use_step_forward and (mask is not None or ids.shape == (1, 1))):
+        if not prompts or not self._in_step_loop(ids, mask, pos):
             chunks = [self.forward(c, None, None, c_cache, d, logits_to_keep=1) for c, c_cache, d in prompts]
             return (*self.forward(ids, mask, pos, cache, drafter, row_groups=row_groups), chunks)
         wants = drafter is not None or any(d is not None for _, _, d in prompts)

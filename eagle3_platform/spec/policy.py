@@ -212,10 +212,9 @@ class DraftSizePolicy:
                 drafted: list[int] | None = None, catch_up_s: float = 0.0) -> None:
         """One finished step at draft size k: its wall time (without the head's catch-up; None where
         the step did other work too, e.g. carried prompt chunks: then acceptance and the catch-up are
-        learnt, not cost), each
-        sequence's accepted draft tokens, the depth its draft reached (None: k for every row, a draft
-        never cut short) and the seconds its drafters spent before drafting on the steps decoded
-        plainly since they last drafted (Batch.resume_catch_up_s)."""
+        learnt, not cost), each sequence's accepted draft tokens, the depth its draft reached (None: k
+        for every row, a draft never cut short) and the seconds its drafters spent before drafting on
+        the steps decoded plainly since they last drafted (Batch.resume_catch_up_s)."""
         drafted = [k] * len(accepted) if drafted is None else drafted
         b = _bucket(batch_size)
         # the first drafts after plain steps: what returning to drafts cost (timed before the forward)
