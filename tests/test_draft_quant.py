@@ -2,6 +2,7 @@
 and that the engine stays lossless with either."""
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import pytest
@@ -112,8 +113,25 @@ def test_int4_head_is_a_rounded_copy_drafting_few_rows_on_its_codes():
     with torch.no_grad():  # the same head up to 4-bit rounding of its weights (and bf16 on the codes)
         want = draft.logits(h)
         torch.testing.assert_close(rounded.logits(h), want, rtol=0, atol=0.1 * want.abs().max().item())
-    with pytest.raises(ValueError, match="fp32 head"):
-        int4_head(draft.to(torch.bfloat16), int4_rows=5)
+
+
+@needs_int4
+@pytest.mark.parametrize("rows", [1, 8])
+def test_a_bf16_int4_head_drafts_in_bf16_like_the_rounded_fp32_head(rows):
+    """A bf16 engine's head (cast in place before it is rounded): few rows on its codes, wider ones on
+    the rounded weight in bf16; both within bf16 rounding of the fp32 head rounded to the same grid."""
+    target = varied_target(None, VariedTargetConfig(vocab_size=96))
+    draft = random_draft(target, 64)
+    want_head = int4_head(draft, int4_rows=5)
+    bf16 = copy.deepcopy(draft).cast_parameters(torch.bfloat16)
+    rounded = int4_head(bf16, int4_rows=5)
+    assert int4_weight_count(rounded) == 6 and rounded.lm_head.weight_packed.int4_rows == 5
+    assert next(rounded.parameters()).dtype == torch.bfloat16
+    h = torch.randn(1, rows, draft.cfg.hidden_size)
+    with torch.no_grad():
+        got, want = rounded.logits(h.bfloat16()), want_head.logits(h)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=0, atol=0.05 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("preset", ["chain", "tree"])
@@ -147,6 +165,11 @@ def test_auto_head_weights_follow_the_target(tiny_target, monkeypatch):
     on_codes = replace(target, meta={**target.meta, "int4_rows": 9})
     engine = SpecEngine(on_codes, draft, PRESETS["chain"])
     assert engine.head_weights == "int4" and engine.draft.lm_head.weight_packed.int4_rows == 9
+    bf16 = varied_target(tiny_target, pack=False)  # row-major, so it can be cast; only its dtype is read
+    bf16_on_codes = replace(bf16, model=bf16.model.to(torch.bfloat16), meta=on_codes.meta)
+    engine = SpecEngine(bf16_on_codes, copy.deepcopy(draft), PRESETS["chain"])  # the engine casts its head
+    assert engine.head_weights == "int4" and engine.draft.lm_head.weight_packed.int4_rows == 9
+    assert next(engine.draft.parameters()).dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("preset", ["chain", "tree"])

@@ -16,9 +16,11 @@ decode steps, 0.95x -> 1.01x of HF greedy.
 lm_head faster than the int8 GEMV does (1 thread, weights out of cache: 700 vs 930 us at 1 row, 793
 vs 1598 us at 8 rows); int8 stays selectable (`head_weights="int8"`).
 
-`int4_head` (`head_weights="int4"`, an fp32 engine only): the head's linears rounded to a 4-bit grid
-(Q4_1's, per 32 inputs) and packed with their codes (int4_weights.py), so a draft forward of a few rows
-reads 1/8 of the fp32 bytes; wider inputs multiply on the rounded weights. Only the head is rounded.
+`int4_head` (`head_weights="int4"`): the head's linears rounded to a 4-bit grid (Q4_1's, per 32
+inputs) and packed with their codes (int4_weights.py), so a draft forward of a few rows reads 1/8 of
+the fp32 bytes (1/4 of bf16's); wider inputs multiply on the rounded weights in the head's dtype. Only
+the head is rounded. In a bf16 engine on the AMD EPYC of session 47 (demo head, bench_decode): a
+chain_adaptive step 1.27 -> 1.19 plain decode steps against the packed bf16 head, τ unchanged.
 """
 from __future__ import annotations
 
@@ -79,26 +81,26 @@ def packed_head(draft: nn.Module, narrow_rows: int = 0) -> nn.Module:
 
 
 def int4_head(draft: nn.Module, int4_rows: int, narrow_rows: int = 0) -> nn.Module:
-    """A copy of the fp32 head whose linears lie on a 4-bit grid (int4_weights.round_to_grid), packed
+    """A copy of the head whose linears lie on a 4-bit grid (int4_weights.round_to_grid), packed
     with their codes for inputs of fewer than int4_rows rows (narrow_rows: see packed_head); `draft`
-    left as it was. Lossy for the head alone: the target still verifies every drafted token."""
+    left as it was. Lossy for the head alone: the target still verifies every drafted token.
+    A bf16 head is rounded from its bf16 values (the grid's step is far coarser than bf16's), and
+    its wider inputs multiply on the rounded weight in bf16."""
     from eagle3_platform.int4_weights import GROUP, N_MULTIPLE, round_to_grid
     from eagle3_platform.packed_linear import pack_linears
 
-    if next(draft.parameters()).dtype != torch.float32:
-        raise ValueError("int4 head weights are rounded from an fp32 head: run the engine in float32 "
-                         "(or choose head_weights packed)")
+    dtype = next(draft.parameters()).dtype
 
     def rounded(lin: nn.Linear) -> nn.Linear:
         if lin.in_features % GROUP or lin.out_features % N_MULTIPLE:
             return lin  # a shape the kernel cannot take keeps its weights
-        new = nn.Linear(lin.in_features, lin.out_features, bias=lin.bias is not None)
+        new = nn.Linear(lin.in_features, lin.out_features, bias=lin.bias is not None)  # fp32: on the grid
         new.load_state_dict({"weight": round_to_grid(lin.weight),
-                             **({"bias": lin.bias.detach()} if lin.bias is not None else {})})
+                             **({"bias": lin.bias.detach().float()} if lin.bias is not None else {})})
         return new.requires_grad_(False)
 
     copied = _head_copy(draft, rounded)
-    pack_linears(copied, narrow_rows=narrow_rows, int4_rows=int4_rows)
+    pack_linears(copied, narrow_rows=narrow_rows, int4_rows=int4_rows, dtype=dtype)
     return copied
 
 

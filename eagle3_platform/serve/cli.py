@@ -21,7 +21,7 @@ def add_commands(sub) -> None:
                    help="speculative preset: chain | chain_adaptive | chain_adaptive_lookup | tree | tiny")
     p.add_argument("--head-weights", default=None, choices=HEAD_WEIGHTS,
                    help="the head's weights: auto (default: int4 where the target decodes on 4-bit codes, "
-                        "else packed) | packed (oneDNN's blocked layout) | int8 | int4 (fp32 engines) | native")
+                        "else packed) | packed (oneDNN's blocked layout) | int8 | int4 | native")
     p.add_argument("--preset", default="demo", choices=sorted(PRESETS), help="server limits preset")
     p.add_argument("--max-tokens", type=int, default=None, help="server bound on max_tokens")
     p.add_argument("--max-queue", type=int, default=None, help="queued+running requests bound")

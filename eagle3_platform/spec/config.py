@@ -32,12 +32,13 @@ class SpecConfig:
     lookup_ngram: int = 4
     # The head's weights in the embedded CPU engine (draft/quant.py; not an SGLang flag): "int8" reads
     # half the bytes per draft forward (a batch-1 draft step is bound by weight reads), "packed" keeps
-    # the head's dtype on oneDNN's blocked layout (packed_linear.py), "int4" rounds an fp32 head to a
+    # the head's dtype on oneDNN's blocked layout (packed_linear.py), "int4" rounds the head to a
     # 4-bit grid and drafts a few rows on its codes (draft/quant.int4_head), "native" keeps it as trained.
     # Output is lossless in every case: only the drafted tokens may differ. "auto" (the default) is
-    # "int4" where the target itself decodes on 4-bit codes (load_target's int4_rows; an fp32 engine):
-    # demo head, Intel box, bench_decode: a chain_adaptive step 1.23 -> 1.13 plain steps, τ unchanged,
-    # 28.2 -> 30.7 tok/s (+ prompt lookup 29.4 -> 32.3); else "packed": with the target packed too, it
+    # "int4" where the target itself decodes on 4-bit codes (load_target's int4_rows), in fp32 or bf16:
+    # demo head, bench_decode, fp32 on the Intel box: a chain_adaptive step 1.23 -> 1.13 plain steps, τ
+    # unchanged, 28.2 -> 30.7 tok/s (+ prompt lookup 29.4 -> 32.3); bf16 on the AMD EPYC of session 47:
+    # 1.27 -> 1.19 (+ lookup 1.34 -> 1.26, 1.10x -> 1.16x HF generate), τ unchanged; else "packed": with the target packed too, it
     # drafts the fastest (demo head, bf16: a step 1.18 vs 1.21 plain decode steps with int8; 1.35x vs
     # 1.32x HF greedy, the same run).
     head_weights: str = "auto"

@@ -67,10 +67,10 @@ class SpecEngine:
 
     # ---- public API -------------------------------------------------------------------------------
     def resolve_head_weights(self, setting: str) -> str:
-        """'auto' -> 'int4' where the target decodes on its 4-bit codes (an fp32 engine), else 'packed'."""
+        """'auto' -> 'int4' where the target decodes on its 4-bit codes (fp32 or bf16), else 'packed'."""
         if setting != "auto":
             return setting
-        return "int4" if self.target.meta.get("int4_rows") and self.dtype == torch.float32 else "packed"
+        return "int4" if self.target.meta.get("int4_rows") else "packed"
 
     def batch(self) -> Batch:
         return Batch(self)
