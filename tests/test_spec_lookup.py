@@ -9,7 +9,7 @@ import torch
 
 from eagle3_platform.spec.config import PRESETS, SpecConfig
 from eagle3_platform.spec.engine import SpecEngine
-from eagle3_platform.spec.lookup import LookupDrafter, graft, lookup
+from eagle3_platform.spec.lookup import LONG_MATCH, LookupDrafter, graft, lookup, lookup_match
 from eagle3_platform.spec.tree import Tree
 from eagle3_platform.testing.spec import VariedTargetConfig, random_draft, varied_target
 from tests.test_spec_batch import LONG, _drive
@@ -39,6 +39,14 @@ def test_a_longer_match_earns_a_longer_chain():
     assert lookup(history, 8, max_ngram=1) == [14]
     assert lookup(history, 3, max_ngram=4) == [14, 15, 16]  # the caller's cap first
     assert lookup([1, 2, 3, 9, 1, 2, 3], 8, max_ngram=4) == [9, 1, 2, 3]  # 3-gram, cut at the end
+
+
+def test_lookup_match_says_how_long_the_match_was():
+    seq = list(range(10, 20))
+    history = seq + [99] + seq[:4]
+    assert lookup_match(history, 8, max_ngram=4) == ([14, 15, 16, 17, 18, 19, 99, 10], 4)
+    assert lookup_match(history, 8, max_ngram=2) == ([14, 15], 2)
+    assert lookup_match([1, 2, 3], 4, max_ngram=3) == ([], 0)
 
 
 def test_graft_shares_the_agreeing_prefix_and_appends_the_rest():
@@ -119,15 +127,101 @@ def test_server_cap_limits_the_lookup_branch_too(target, refs):
     for cap in [0, 1, 2, 0, 3] * 20:
         if not batch.rows:
             break
+        together = len(batch.rows) > 1  # a row alone verifies a long match at cap 0 (the next test)
         for r, toks in batch.step(max_draft_tokens=cap):
             out[r] += toks
-            assert r.last_accepted <= cap  # a path runs down one branch: at most cap deep
+            assert r.last_accepted <= cap or not (cap or together)  # a path runs down one branch
             if cap:  # (cap 0 verifies the root alone without asking any drafter)
                 assert r.drafter.last_lookup <= cap and len(r.drafter.last_tree) - 1 <= 2 * cap
         for r in [r for r in batch.rows if r.done]:
             batch.close(r)
     for r, p in zip(reqs, PROMPTS):
         assert out[r] == refs[p]
+
+
+def test_only_a_long_match_is_offered_to_a_plain_step():
+    root = Tree(torch.tensor([7]), torch.tensor([-1]))
+    d = LookupDrafter(head=None, max_tokens=8, max_ngram=4)
+    d.history = [1, 2, 3, 4, 5, 9, 2, 3]  # "2 3" occurred before, "9 2 3" did not: a 2-token match
+    assert d.long_match(root) is root and d.last_lookup == 0
+    d.history = [1, 2, 3, 4, 5, 6, 9, 1, 2, 3]  # "1 2 3": a 3-token match, up to 4 tokens
+    t = d.long_match(root)
+    assert t.tokens.tolist() == [7, 4, 5, 6, 9] and t.parents.tolist() == [-1, 0, 1, 2, 3]
+    assert d.last_lookup == 4 and LONG_MATCH == 3
+
+
+def _plain_steps_alone(engine, ids):
+    """One request decoded at draft size 0 throughout -> (tokens, lookup tokens accepted, largest
+    lookup branch verified); the head must not draft."""
+    batch = engine.batch()
+    r = batch.open(ids, MAX_NEW)
+    out, accepted, widest = batch.prefill(r, None), 0, 0
+
+    def no_head(*_, **__):
+        raise AssertionError("the head drafted on a plain step")
+
+    r.drafter.head.propose = no_head
+    while batch.rows:
+        [(_, toks)] = batch.step(max_draft_tokens=0)
+        out += toks
+        accepted, widest = accepted + r.last_accepted, max(widest, r.drafter.last_lookup)
+        if r.done:
+            batch.close(r)
+    return out, accepted, widest
+
+
+def test_a_long_match_rides_the_plain_steps_of_a_row_alone(target, refs):
+    """Draft size 0 (the server's plain decoding) for a row alone still verifies a prompt-lookup match
+    of LONG_MATCH tokens or more, without a head forward; output stays target greedy, and the looping
+    target accepts some of it. A shorter match is not verified (the 1-2 token branches the head's
+    drafts carry are mostly wrong)."""
+    cfg = replace(PRESETS["chain"], lookup_tokens=8)
+    engine = SpecEngine(target, random_draft(target, 64), cfg)
+    total = 0
+    for p in PROMPTS + [LONG]:
+        out, accepted, widest = _plain_steps_alone(engine, _ids(target, p))
+        assert out == refs[p] and widest <= cfg.lookup_tokens, p
+        total += accepted
+    assert total > 0
+    short = SpecEngine(target, random_draft(target, 64), replace(cfg, lookup_ngram=LONG_MATCH - 1))
+    for p in PROMPTS:  # every match shorter than LONG_MATCH: plain decoding
+        out, accepted, widest = _plain_steps_alone(short, _ids(target, p))
+        assert out == refs[p] and accepted == 0 and widest == 0
+
+
+def test_the_worker_counts_plain_steps_that_verified_a_match_and_hides_their_cost(target, refs):
+    """A plain step that verified a long match cost more than plain decoding: the policy learns no cost
+    from it (as from a step that carried prompt chunks), and /server_info counts such steps."""
+    from eagle3_platform.serve.worker import EngineWorker, Job
+
+    class Plain:  # always plain decoding; records what it was told
+        def __init__(self):
+            self.seconds = []
+
+        def choose(self, batch_size):
+            return 0
+
+        def observe(self, batch_size, k, seconds, accepted, drafted=None, catch_up_s=0.0):
+            self.seconds.append((seconds, drafted[0]))
+
+        def info(self):
+            return {}
+
+    cfg = replace(PRESETS["chain"], lookup_tokens=8)
+    engine = SpecEngine(target, random_draft(target, 64), cfg)
+    policy = Plain()
+    worker = EngineWorker(engine, max_queue=4, policy=policy)
+    batch = engine.batch()
+    for p in PROMPTS + [LONG]:
+        worker.submit(Job(_ids(target, p), max_new_tokens=MAX_NEW, emit=lambda ev: None))
+        worker._pull(block=False)
+        worker._prefill(batch)
+        while worker._running:
+            worker._step(batch)
+    lookups = [s for s, m in policy.seconds if m > 0]
+    assert lookups and all(s is None for s in lookups)
+    assert all(s is not None and s > 0 for s, m in policy.seconds if m == 0)
+    assert worker.info()["lookup_plain_steps"] == len(lookups)
 
 
 def test_sampling_with_the_lookup_branch_keeps_the_target_distribution():

@@ -72,6 +72,7 @@ class Totals:
     prefill_s: float = 0.0  # the engine thread's time in prompt chunks run alone
     step_s: float = 0.0     # ... in batched steps (drafting, verify, bookkeeping, riding chunks)
     mixed_steps: int = 0    # steps that prompt chunks rode along
+    lookup_plain_steps: int = 0  # plain steps (draft size 0) that verified a long prompt-lookup match
 
 
 class QueueFull(Exception):
@@ -139,6 +140,7 @@ class EngineWorker:
                "prefill_order": "shortest_remaining_first", "max_overtaken": self.max_overtaken,
                "batch_steps": t.batch_steps,
                "mixed_prefill_tokens": self.mixed_prefill_tokens, "mixed_steps": t.mixed_steps,
+               "lookup_plain_steps": t.lookup_plain_steps,
                "prefill_s": round(t.prefill_s, 3), "step_s": round(t.step_s, 3),
                "batch_size_hist": {str(b): n for b, n in sorted(hist.items())},
                "mean_batch_size": (sum(b * n for b, n in hist.items()) / sum(hist.values())
@@ -288,8 +290,10 @@ class EngineWorker:
         self.totals.batch_size_hist[len(jobs)] += 1
         self.totals.mixed_steps += bool(riders)
         rows = [(r, toks) for r, toks in out if r in jobs]
-        if self.policy is not None:  # a step that carried prompt chunks cost more than its draft size
-            self.policy.observe(len(jobs), k, None if riders else batch.step_s,
+        looked_up = k == 0 and any(r.last_drafted for r, _ in rows)  # a plain step verified a long match
+        self.totals.lookup_plain_steps += looked_up
+        if self.policy is not None:  # a step that carried prompt chunks, or a lookup match, cost more
+            self.policy.observe(len(jobs), k, None if riders or looked_up else batch.step_s,
                                 [r.last_accepted for r, _ in rows], [r.last_drafted for r, _ in rows],
                                 batch.resume_catch_up_s)
         for r, toks in rows:
