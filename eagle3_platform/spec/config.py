@@ -38,9 +38,9 @@ class SpecConfig:
     # "int4" where the target itself decodes on 4-bit codes (load_target's int4_rows), in fp32 or bf16:
     # demo head, bench_decode, fp32 on the Intel box: a chain_adaptive step 1.23 -> 1.13 plain steps, τ
     # unchanged, 28.2 -> 30.7 tok/s (+ prompt lookup 29.4 -> 32.3); bf16 on the AMD EPYC of session 47:
-    # 1.27 -> 1.19 (+ lookup 1.34 -> 1.26, 1.10x -> 1.16x HF generate), τ unchanged; else "packed": with the target packed too, it
-    # drafts the fastest (demo head, bf16: a step 1.18 vs 1.21 plain decode steps with int8; 1.35x vs
-    # 1.32x HF greedy, the same run).
+    # 1.27 -> 1.19 (+ lookup 1.34 -> 1.26, 1.10x -> 1.16x HF generate), τ unchanged. Else "packed":
+    # with the target packed too, it drafts the fastest (demo head, bf16: a step 1.18 vs 1.21 plain
+    # decode steps with int8; 1.35x vs 1.32x HF greedy, the same run).
     head_weights: str = "auto"
 
     def __post_init__(self):

@@ -32,7 +32,7 @@ import torch
 from eagle3_platform.spec.tree import Tree
 
 
-LONG_MATCH = 3  # a match of this many tokens rides plain steps too: its first token was right 64% of the time
+LONG_MATCH = 3  # a match this long rides plain steps too: its first token is right 64% of the time
 
 
 def lookup(history: list[int], max_tokens: int, max_ngram: int) -> list[int]:
