@@ -258,6 +258,29 @@ def atomic_write(path: str | Path, write: Callable[[Path], T]) -> T:
     return out
 
 
+def remove_stale_tmp(directory: str | Path) -> list[str]:
+    """Delete the temp files atomic_write left in `directory` for writers that are gone (a process
+    killed between filling and renaming: NAME.PID.tmp, PID no longer running) -> their names. A live
+    writer's file stays (its PID runs), and so does any other *.tmp."""
+    removed = []
+    for p in sorted(Path(directory).glob("*.*.tmp")):
+        pid = p.name.rsplit(".", 2)[1]
+        if pid.isdigit() and not _running(int(pid)):
+            p.unlink(missing_ok=True)
+            removed.append(p.name)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        return True
+    return True
+
+
 def write_json_atomic(path: str | Path, obj: object, **dumps_kw) -> None:
     """One JSON document (json.dumps(obj, **dumps_kw)), written atomically (atomic_write)."""
     atomic_write(path, lambda tmp: tmp.write_text(json.dumps(obj, **dumps_kw), encoding="utf-8"))

@@ -313,6 +313,24 @@ def test_rerun_skips_verified_shards_and_recomputes_corrupt(tiny_target, tiny_ta
     assert extract_file(tiny_target_dir, conv, out, TINY, target=tiny_target)["shards_written"] == 1
 
 
+def test_a_rerun_removes_the_temp_file_a_killed_writer_left(tiny_target, tiny_target_dir, tmp_path):
+    """A run killed between filling a shard's temp file and renaming it leaves NAME.PID.tmp behind
+    (a CI run of the SIGKILL test above caught one); the next run into the dir removes it. A live
+    writer's temp file and any other *.tmp are left alone."""
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], check=True,
+                          capture_output=True, text=True)
+    dead_pid = int(gone.stdout)  # exited: no process has that id now (barring reuse within ms)
+    conv = _write_conv(tmp_path / "conv.jsonl", _conversations(tiny_target, 4))
+    out = tmp_path / "out"
+    out.mkdir()
+    stale, live = f"{shard_name(1)}.{dead_pid}.tmp", f"elsewhere.parquet.{os.getpid()}.tmp"
+    for name in (stale, live, "notes.tmp"):
+        (out / name).write_bytes(b"half a shard")
+    extract_file(tiny_target_dir, conv, out, TINY, target=tiny_target)
+    assert sorted(p.name for p in out.glob("*.tmp")) == sorted([live, "notes.tmp"])
+    assert verify_shards(out)["bad"] == []
+
+
 def test_a_record_rewritten_under_its_id_gets_new_features(tiny_target, tiny_target_dir, tmp_path):
     """Conversations regenerated under the same ids (a redacted prompt, another answer): a rerun into
     the same dir must recompute the shards whose records' tokens changed, not keep the old ones."""

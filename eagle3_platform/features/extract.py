@@ -28,7 +28,8 @@ from eagle3_platform.features.capture import forward_capture
 from eagle3_platform.features.shards import (MANIFEST, ShardError, check_shard, read_header,
                                              read_manifest, rows_from_shards, shard_name,
                                              write_manifest, write_shard)
-from eagle3_platform.records import ConversationRecord, Rejection, top_reasons, write_jsonl_atomic
+from eagle3_platform.records import (ConversationRecord, Rejection, remove_stale_tmp, top_reasons,
+                                     write_jsonl_atomic)
 from eagle3_platform.storage import Mirror, Storage, storage_from_uri
 from eagle3_platform.target import Target, load_target
 
@@ -176,6 +177,9 @@ class _Sink:
     def __init__(self, local: Path, mirror: Mirror | None):
         self.local, self.mirror = local, mirror
         local.mkdir(parents=True, exist_ok=True)
+        stale = remove_stale_tmp(local)  # a killed run's half-written shard would stay on disk
+        if stale:
+            _log(f"removed {len(stale)} temp file(s) a killed run left: {', '.join(stale[:3])}")
 
     def uri(self, name: str) -> str:
         # local dirs: the key relative to the manifest, so a dir can be moved/copied and stays valid
