@@ -101,8 +101,7 @@ class LookupDrafter:
         """tree (a plain step's root) + the lookup branch where the match is LONG_MATCH tokens or more,
         else tree: the copy the head's drafts are not needed for."""
         chain, n = lookup_match(self.history, self.max_tokens, self.max_ngram)
-        self.last_lookup = len(chain) if n >= LONG_MATCH else 0
-        return graft(tree, chain) if self.last_lookup else tree
+        return self._branch(tree, chain if n >= LONG_MATCH else [])
 
     def extend(self, tree: Tree, max_tokens: int | None = None) -> Tree:
         """The head's tree + the lookup branch. A server's per-step draft size max_tokens caps each
@@ -111,6 +110,9 @@ class LookupDrafter:
         sizes. (Capping their sum instead, the branch filling what the head left, measured worse: the
         policy then settled at ~3 nodes at batch 1, 0.96x of plain decoding, bench_batch.py.)"""
         cap = self.max_tokens if max_tokens is None else min(self.max_tokens, max_tokens)
-        chain = lookup(self.history, cap, self.max_ngram)
+        return self._branch(tree, lookup(self.history, cap, self.max_ngram))
+
+    def _branch(self, tree: Tree, chain: list[int]) -> Tree:
+        """tree + chain grafted under its root (tree itself when chain is empty), counted in last_lookup."""
         self.last_lookup = len(chain)
         return graft(tree, chain) if chain else tree
