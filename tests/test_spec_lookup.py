@@ -9,7 +9,8 @@ import torch
 
 from eagle3_platform.spec.config import PRESETS, SpecConfig
 from eagle3_platform.spec.engine import SpecEngine
-from eagle3_platform.spec.lookup import LONG_MATCH, LookupDrafter, graft, lookup, lookup_match
+from eagle3_platform.spec import lookup as lookup_module
+from eagle3_platform.spec.lookup import LookupDrafter, graft, lookup, lookup_match
 from eagle3_platform.spec.tree import Tree
 from eagle3_platform.testing.spec import VariedTargetConfig, random_draft, varied_target
 from tests.test_spec_batch import LONG, _drive
@@ -127,7 +128,7 @@ def test_server_cap_limits_the_lookup_branch_too(target, refs):
     for cap in [0, 1, 2, 0, 3] * 20:
         if not batch.rows:
             break
-        together = len(batch.rows) > 1  # a row alone verifies a long match at cap 0 (the next test)
+        together = len(batch.rows) > 1  # a row alone verifies its match at cap 0 (the next test)
         for r, toks in batch.step(max_draft_tokens=cap):
             out[r] += toks
             assert r.last_accepted <= cap or not (cap or together)  # a path runs down one branch
@@ -139,15 +140,21 @@ def test_server_cap_limits_the_lookup_branch_too(target, refs):
         assert out[r] == refs[p]
 
 
-def test_only_a_long_match_is_offered_to_a_plain_step():
+def test_a_plain_step_is_offered_any_match_from_the_shortest_verified(monkeypatch):
     root = Tree(torch.tensor([7]), torch.tensor([-1]))
     d = LookupDrafter(head=None, max_tokens=8, max_ngram=4)
     d.history = [1, 2, 3, 4, 5, 9, 2, 3]  # "2 3" occurred before, "9 2 3" did not: a 2-token match
-    assert d.long_match(root) is root and d.last_lookup == 0
+    t = d.plain_step(root)  # any match (PLAIN_STEP_MATCH 1): up to 2 tokens for a 2-token match
+    assert t.tokens.tolist() == [7, 4, 5] and t.parents.tolist() == [-1, 0, 1] and d.last_lookup == 2
+    d.history = [1, 2, 3, 4, 5, 6]  # 6 never occurred before: no match, the root alone
+    assert d.plain_step(root) is root and d.last_lookup == 0
+    monkeypatch.setattr(lookup_module, "PLAIN_STEP_MATCH", 3)  # session 47's rule: 3+ tokens only
+    d.history = [1, 2, 3, 4, 5, 9, 2, 3]
+    assert d.plain_step(root) is root and d.last_lookup == 0
     d.history = [1, 2, 3, 4, 5, 6, 9, 1, 2, 3]  # "1 2 3": a 3-token match, up to 4 tokens
-    t = d.long_match(root)
+    t = d.plain_step(root)
     assert t.tokens.tolist() == [7, 4, 5, 6, 9] and t.parents.tolist() == [-1, 0, 1, 2, 3]
-    assert d.last_lookup == 4 and LONG_MATCH == 3
+    assert d.last_lookup == 4
 
 
 def _plain_steps_alone(engine, ids):
@@ -170,11 +177,10 @@ def _plain_steps_alone(engine, ids):
     return out, accepted, widest
 
 
-def test_a_long_match_rides_the_plain_steps_of_a_row_alone(target, refs):
-    """Draft size 0 (the server's plain decoding) for a row alone still verifies a prompt-lookup match
-    of LONG_MATCH tokens or more, without a head forward; output stays target greedy, and the looping
-    target accepts some of it. A shorter match is not verified (the 1-2 token branches the head's
-    drafts carry are mostly wrong)."""
+def test_a_match_rides_the_plain_steps_of_a_row_alone(target, refs, monkeypatch):
+    """Draft size 0 (the server's plain decoding) for a row alone still verifies its prompt-lookup
+    match, without a head forward; output stays target greedy, and the looping target accepts some of
+    it. A match shorter than PLAIN_STEP_MATCH is not verified."""
     cfg = replace(PRESETS["chain"], lookup_tokens=8)
     engine = SpecEngine(target, random_draft(target, 64), cfg)
     total = 0
@@ -183,26 +189,29 @@ def test_a_long_match_rides_the_plain_steps_of_a_row_alone(target, refs):
         assert out == refs[p] and widest <= cfg.lookup_tokens, p
         total += accepted
     assert total > 0
-    short = SpecEngine(target, random_draft(target, 64), replace(cfg, lookup_ngram=LONG_MATCH - 1))
-    for p in PROMPTS:  # every match shorter than LONG_MATCH: plain decoding
+    monkeypatch.setattr(lookup_module, "PLAIN_STEP_MATCH", 2)
+    short = SpecEngine(target, random_draft(target, 64), replace(cfg, lookup_ngram=1))
+    for p in PROMPTS:  # every match a single token, shorter than PLAIN_STEP_MATCH: plain decoding
         out, accepted, widest = _plain_steps_alone(short, _ids(target, p))
         assert out == refs[p] and accepted == 0 and widest == 0
 
 
-def test_the_worker_counts_plain_steps_that_verified_a_match_and_hides_their_cost(target, refs):
-    """A plain step that verified a long match cost more than plain decoding: the policy learns no cost
-    from it (as from a step that carried prompt chunks), and /server_info counts such steps."""
+def test_the_worker_counts_plain_steps_that_verified_a_match_and_times_them(target, refs):
+    """A plain step that verified a lookup match is still plain decoding (no head forward): the policy
+    gets its time and its accepted tokens, as from any plain step (policy.py credits them to draft
+    size 0), and /server_info counts such steps."""
     from eagle3_platform.serve.worker import EngineWorker, Job
 
     class Plain:  # always plain decoding; records what it was told
         def __init__(self):
-            self.seconds = []
+            self.seconds, self.accepted = [], []
 
         def choose(self, batch_size):
             return 0
 
         def observe(self, batch_size, k, seconds, accepted, drafted=None, catch_up_s=0.0):
             self.seconds.append((seconds, drafted[0]))
+            self.accepted += accepted
 
         def info(self):
             return {}
@@ -219,9 +228,8 @@ def test_the_worker_counts_plain_steps_that_verified_a_match_and_hides_their_cos
         while worker._running:
             worker._step(batch)
     lookups = [s for s, m in policy.seconds if m > 0]
-    assert lookups and all(s is None for s in lookups)
-    assert all(s is not None and s > 0 for s, m in policy.seconds if m == 0)
-    assert worker.info()["lookup_plain_steps"] == len(lookups)
+    assert lookups and all(s is not None and s > 0 for s, _ in policy.seconds)
+    assert worker.info()["lookup_plain_steps"] == len(lookups) and sum(policy.accepted) > 0
 
 
 def test_sampling_with_the_lookup_branch_keeps_the_target_distribution():

@@ -150,6 +150,32 @@ def _simulate_cut(policy, batch_size, cost, reach, accept, steps, seed=0):
     return chosen
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_plain_step_is_credited_with_the_lookup_tokens_it_verified(seed):
+    """Batch 1, a weak head: a draft of 4 gives ~1.25 tokens for ~1.2 decode steps (4% more than one
+    token a step), while a plain step that verifies the request's own lookup match gives ~1.64 tokens
+    for 1.05 steps (no head forward, a slightly wider verify). Credited with what its matches add (and
+    kept off the drafts' cost line, which they would flatten), plain decoding wins."""
+    p, rng, chosen = DraftSizePolicy(k_max=4), random.Random(seed), []
+    for _ in range(400):
+        k = p.choose(1)
+        if k:
+            drafted = [next((d for d in range(k) if rng.random() >= 0.5), k)]
+            accepted = [next((d for d in range(drafted[0]) if rng.random() >= 0.4), drafted[0])]
+            cost = 0.030 * (1.15 + 0.05 * drafted[0])
+        else:  # a lookup match of 1-4 tokens; the first 40% right, each next one 60%
+            drafted = [rng.choice([1, 2, 4])]
+            accepted = [next((d for d in range(drafted[0]) if rng.random() >= (0.4 if d == 0 else 0.6)),
+                             drafted[0])]
+            cost = 0.030 * 1.05
+        p.observe(1, k, cost * rng.uniform(0.95, 1.05), accepted, drafted)
+        chosen.append(k)
+    assert chosen[-200:].count(0) >= 170
+    info = p.info()
+    assert 0.3 < info["plain_step_lookup_tokens_by_batch"]["1"] < 1.0  # 0.64 on average
+    assert abs(info["plain_step_ms_by_batch"]["1"] - 31.5) < 1.5
+
+
 def test_a_draft_size_is_charged_for_the_depth_drafted_so_a_chat_turn_does_not_pin_it_low():
     """Batch 1, a head forward 10% of a decode step. A chat request first: the head rarely drafts
     past depth 1 and is often wrong, so deep caps gain little, but they cost little either (the drafts

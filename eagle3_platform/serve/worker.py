@@ -72,7 +72,7 @@ class Totals:
     prefill_s: float = 0.0  # the engine thread's time in prompt chunks run alone
     step_s: float = 0.0     # ... in batched steps (drafting, verify, bookkeeping, riding chunks)
     mixed_steps: int = 0    # steps that prompt chunks rode along
-    lookup_plain_steps: int = 0  # plain steps (draft size 0) that verified a long prompt-lookup match
+    lookup_plain_steps: int = 0  # plain steps (draft size 0) that verified a prompt-lookup match
 
 
 class QueueFull(Exception):
@@ -290,10 +290,11 @@ class EngineWorker:
         self.totals.batch_size_hist[len(jobs)] += 1
         self.totals.mixed_steps += bool(riders)
         rows = [(r, toks) for r, toks in out if r in jobs]
-        looked_up = k == 0 and any(r.last_drafted for r, _ in rows)  # a plain step verified a long match
+        looked_up = k == 0 and any(r.last_drafted for r, _ in rows)  # a plain step verified a match
         self.totals.lookup_plain_steps += looked_up
-        if self.policy is not None:  # a step that carried prompt chunks, or a lookup match, cost more
-            self.policy.observe(len(jobs), k, None if riders or looked_up else batch.step_s,
+        if self.policy is not None:  # a step that carried prompt chunks cost more: no cost learnt
+            # (a plain step's lookup match is timed: its cost and tokens are plain decoding's, policy.py)
+            self.policy.observe(len(jobs), k, None if riders else batch.step_s,
                                 [r.last_accepted for r, _ in rows], [r.last_drafted for r, _ in rows],
                                 batch.resume_catch_up_s)
         for r, toks in rows:

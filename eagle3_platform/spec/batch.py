@@ -149,7 +149,7 @@ class Batch:
     def step(self, max_draft_tokens: int | None = None,
              prompts: Sequence[tuple[Request, int]] = ()) -> list[tuple[Request, list[int]]]:
         """One verify step over every running row -> (request, tokens it may emit now) per row.
-        max_draft_tokens caps each row's draft (0 = plain decoding this step, but for a long
+        max_draft_tokens caps each row's draft (0 = plain decoding this step, but for the
         prompt-lookup match of a row alone; None = the config).
         prompts: (request, up to n tokens) chunks of waiting prompts, run in the same target forward
         (as prefill() would, but sharing the step's weight reads); a prompt done here joins the batch
@@ -241,10 +241,10 @@ class Batch:
                                    max_draft_tokens)
         for b, tree in zip(drafting, proposed):
             trees[b] = tree
-        if max_draft_tokens == 0 and len(rows) == 1 and hasattr(rows[0].drafter, "long_match"):
-            # a plain step alone still verifies a long prompt-lookup match (lookup.py): no head forward,
+        if max_draft_tokens == 0 and len(rows) == 1 and hasattr(rows[0].drafter, "plain_step"):
+            # a plain step alone still verifies its prompt-lookup match (lookup.py): no head forward,
             # and at batch 1 the wider verify is cheap; in a batch it would widen every row's
-            trees[0] = rows[0].drafter.long_match(trees[0])
+            trees[0] = rows[0].drafter.plain_step(trees[0])
         return trees
 
     def _accept(self, tree: Tree, logits: torch.Tensor, r: Request) -> tuple[list[int], int]:

@@ -37,6 +37,14 @@ its catch-up, a verify of twice the tokens): a line through all the steps put pl
 cost, and since each further depth paid on that line, the walk down one size at a time could stall
 at 1-4. At batch 8 on 2 cores (Locust, c = 8, 60 s) the policy spent 203 of 370 steps at
 k = 1 before it reached 0, which its final line put 13% faster.
+A plain step of a row alone still verifies the row's prompt-lookup match (lookup.py, batch.py): no
+head forward, so it is timed as plain decoding, off the line, and the lookup tokens it accepted are
+credited to k = 0: rate(0) = (1 + a0) / c0, a0 a running mean per plain step. Drafts are rated with the
+tokens their own lookup branch adds; before, plain steps with a match were not timed and k = 0 was worth
+one token, which favoured drafting wherever the request's text repeats. Since a0 moves with the text,
+in such a bucket every third re-measure is of plain decoding, whatever size is chosen: from k = 4 the
+walk to it through 3, 2, 1 would not happen (the test's weak head without it: 23-100% of the last
+200 steps still drafting in 3 of 6 seeds, against 0.5-7.5% with it).
 Plain decoding's mean forgets per step of its bucket, as the line does, not per plain step: a plain
 step that comes after g steps of drafting weighs 1 - (1 - EMA)^g. Where drafting is the choice, plain
 steps are re-measures up to MAX_EXPLORE_GAP steps apart, and this box's speed drifts up to 2x within
@@ -111,6 +119,8 @@ class DraftSizePolicy:
         self.k_max, self.explore_every = k_max, explore_every
         self.lines: dict[int, CostLine] = {}  # B bucket -> per-sequence cost line in the depth drafted
         self.plain: dict[int, float] = {}  # B bucket -> running mean cost per sequence of a plain step
+        self.plain_accepted: dict[int, float] = {}  # B bucket -> ... lookup tokens a plain step accepted
+        self._plain_lookups: set[int] = set()  # B buckets whose plain steps verified a lookup match
         self.caps: dict[int, tuple[int, int]] = {}  # B bucket -> (lowest, highest) draft size chosen there
         self.depth_drafted: dict[int, float] = {}  # d -> r_d = P(draft reaches d | it reached d-1)
         self.depth_accept: dict[int, float] = {}  # d -> h_d = P(depth d accepted | parent was, drafted)
@@ -159,6 +169,8 @@ class DraftSizePolicy:
         side = 1 if self._re_measures[b] % 2 else -1  # alternate sides, the longer draft first
         side = 1 if k == 0 else -1 if k == self.k_max else side  # at an end: its one neighbour
         other, rates = min(self.k_max, max(0, k + side)), self.rates(batch_size)
+        if k >= 2 and b in self._plain_lookups and self._re_measures[b] % 3 == 0:
+            other = 0  # plain decoding's worth moves with its lookup matches: a neighbour of every size
         if rates.get(other, 0.0) < rates[k] * (1 - CLOSE_RATE):  # clearly worse: wait longer next time
             self._gap[b] = min(2 * self._gap[b], MAX_EXPLORE_GAP)
         self._next_explore[b] = n + self._gap[b]
@@ -196,7 +208,8 @@ class DraftSizePolicy:
         plain_cost = (self.plain if plain is None else plain).get(b)
         if plain_cost is not None:  # measured, so always a candidate: no walk down to it
             cost[0] = plain_cost
-        return {k: (1 + self.accepted(k)) / c for k, c in sorted(cost.items())}
+        a0 = self.plain_accepted.get(b, 0.0)  # what a plain step's lookup match added (a row alone)
+        return {k: (1 + (self.accepted(k) if k else a0)) / c for k, c in sorted(cost.items())}
 
     def best(self, batch_size: int, lines: dict | None = None, plain: dict | None = None) -> int:
         rates = self.rates(batch_size, lines, plain)
@@ -224,7 +237,7 @@ class DraftSizePolicy:
         self._last_k = k
         self.hist[k] += 1
         if seconds is not None:
-            self._observe_cost(b, k, seconds / batch_size, drafted)
+            self._observe_cost(b, k, seconds / batch_size, drafted, accepted)
         for d in range(1, k + 1):
             parents = [m for m in drafted if m >= d - 1]  # drafts that reached depth d-1
             if not parents:
@@ -234,17 +247,27 @@ class DraftSizePolicy:
             if tried:
                 self._update(self.depth_accept, "h", d, sum(a >= d for a in tried) / len(tried))
 
-    def _observe_cost(self, b: int, k: int, y: float, drafted: list[int]) -> None:
+    def _observe_cost(self, b: int, k: int, y: float, drafted: list[int], accepted: list[int]) -> None:
         """A step's seconds per sequence y at draft size k in bucket b: the sizes timed (the line's
-        range), the cost line, plain's mean."""
+        range), the cost line, plain's mean (cost and the lookup tokens it accepted)."""
         lo, hi = self.caps.get(b, (k, k))
         self.caps[b] = (min(lo, k), max(hi, k))
-        self.lines.setdefault(b, CostLine()).add(max(drafted, default=0), y)
+        m = max(drafted, default=0)
+        if k > 0 or m == 0:  # a plain step that verified a lookup match ran no head: off the line
+            self.lines.setdefault(b, CostLine()).add(m, y)
         if k == 0:  # the mean forgets per step of the bucket, as the line does, not per plain step
             gap = max(1, self._steps[b] - self._plain_at.get(b, 0))  # >= 1: an observe without a choose
             prev, w = self.plain.get(b), 1 - (1 - EMA) ** gap
             self.plain[b] = y if prev is None else prev + w * (y - prev)
             self._plain_at[b] = self._steps[b]
+            # what its lookup match added: a property of the text, not the machine, and 0-8 tokens
+            # from one step to the next, so a running mean per plain step (one re-measure after a
+            # long drafted stretch must not replace it), its first 1/EMA steps weighing alike
+            self._updates["a0", b] += 1
+            if m:
+                self._plain_lookups.add(b)
+            a0, x = self.plain_accepted.get(b, 0.0), sum(accepted) / max(len(accepted), 1)
+            self.plain_accepted[b] = a0 + (x - a0) * max(EMA, 1 / self._updates["a0", b])
 
     def _update(self, means: dict, kind: str, d: int, x: float) -> None:
         """means[d] <- x: the mean of an optimistic pseudo-step (1.0) and the first 1/EMA updates, then
@@ -268,6 +291,8 @@ class DraftSizePolicy:
                 "step_cost_ms_by_batch": {str(b): [round(1e3 * c, 3) for c in lines[b].coef()]
                                           for b in sorted(lines)},
                 "plain_step_ms_by_batch": {str(b): round(1e3 * c, 3) for b, c in sorted(plain.items())},
+                "plain_step_lookup_tokens_by_batch": {str(b): round(a, 3) for b, a
+                                                      in sorted(dict(self.plain_accepted).items())},
                 "catch_up_ms_by_batch": {str(b): round(1e3 * c, 3) for b, c in sorted(catch_up.items())},
                 "drafted_rate_by_depth": {str(d): round(p, 3) for d, p in sorted(reach.items())},
                 "accept_rate_by_depth": {str(d): round(q, 3) for d, q in sorted(accept.items())},
