@@ -107,12 +107,14 @@ PRESETS: dict[str, TrainConfig] = {
     "tiny": TrainConfig(ttt_steps=3, draft_vocab_size=64, lr=1e-3, warmup_ratio=0.2, batch_tokens=256,
                         max_len=512, epochs=2, ckpt_every=2, log_every=1, eval_samples=8,
                         dtype="float32", warm_start_epochs=1),
-    # embedded default run on 2 CPU cores, a few thousand tokens, a few minutes: K=4 instead of 7 (about
-    # half the cost per token; steps 5-7 add little to acceptance at this data size); lr 1e-3 because
+    # embedded default run on 2 CPU cores, a few thousand tokens, a few minutes: K=2 instead of 7 (steps
+    # 3-7 add nothing at this data size: on session 47's demo data, 21k tokens, K 2 vs 4 gave engine tau
+    # 1.53 vs 1.52 chain_adaptive_lookup, 1.24 vs 1.24 chain, 42 held-out prompts, in 1.1 vs 2.3 min of
+    # training; scripts/bench_scaling.py --overrides, ~/.cache/eagle3-runs/s48/demo-k*); lr 1e-3 because
     # a few dozen steps at the public 1e-4 barely move a fresh head (1e-4 assumes ~10^5 steps);
     # Vd 4096: a demo corpus has ~1k distinct response tokens (SmolLM2, 47 chat conversations: 1005),
     # and the Vd-wide lm_head is the largest part of the head's cost; small batches → more steps.
-    "demo": TrainConfig(ttt_steps=4, draft_vocab_size=4096, lr=1e-3, warmup_ratio=0.05,
+    "demo": TrainConfig(ttt_steps=2, draft_vocab_size=4096, lr=1e-3, warmup_ratio=0.05,
                         batch_tokens=1024, max_len=1024, epochs=3, ckpt_every=10, log_every=2,
                         eval_samples=64),
     # the best head 2 CPU cores train within the cpu preset's 2 hours (0.3-0.5M regenerated tokens)
