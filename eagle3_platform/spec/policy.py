@@ -263,17 +263,17 @@ class DraftSizePolicy:
             # what its lookup match added: a property of the text, not the machine, and 0-8 tokens
             # from one step to the next, so a running mean per plain step (one re-measure after a
             # long drafted stretch must not replace it), its first 1/EMA steps weighing alike
-            self._updates["a0", b] += 1
             if m:
                 self._plain_lookups.add(b)
-            a0, x = self.plain_accepted.get(b, 0.0), sum(accepted) / max(len(accepted), 1)
-            self.plain_accepted[b] = a0 + (x - a0) * max(EMA, 1 / self._updates["a0", b])
+            self._update(self.plain_accepted, "a0", b, sum(accepted) / max(len(accepted), 1), prior=None)
 
-    def _update(self, means: dict, kind: str, d: int, x: float) -> None:
-        """means[d] <- x: the mean of an optimistic pseudo-step (1.0) and the first 1/EMA updates, then
-        an exponential running mean."""
-        self._updates[kind, d] += 1
-        means[d] = means.get(d, 1.0) + (x - means.get(d, 1.0)) * max(EMA, 1 / (self._updates[kind, d] + 1))
+    def _update(self, means: dict, kind: str, key: int, x: float, prior: float | None = 1.0) -> None:
+        """means[key] <- x: the mean of a pseudo-step at `prior` (None: none) and the first 1/EMA
+        updates, then an exponential running mean."""
+        self._updates[kind, key] += 1
+        n = self._updates[kind, key] + (prior is not None)
+        mean = means.get(key, 0.0 if prior is None else prior)
+        means[key] = mean + (x - mean) * max(EMA, 1 / n)
 
     def info(self) -> dict:
         """For /server_info: the current choice, steps per draft size, per batch-size bucket the best k,
