@@ -152,3 +152,42 @@ def test_prompt_chunks_riding_a_step_equal_their_own_prefill_and_leave_the_step_
         for i in range(model.config.num_hidden_layers):
             torch.testing.assert_close(cache.layers[i].keys.float(), rcache.layers[i].keys.float(), **tol)
             torch.testing.assert_close(cache.layers[i].values.float(), rcache.layers[i].values.float(), **tol)
+
+
+@pytest.mark.parametrize("with_chunk", [False, True])
+@torch.no_grad()
+def test_a_packed_step_equals_the_padded_one_on_its_real_tokens(tiny_target_dir, monkeypatch, with_chunk):
+    """Trees of 5, 1 and 3 nodes padded to 5: with `real` the linears run over the 9 real tokens
+    alone, and their logits, features and written cache slots are the padded forward's (fp32, tight
+    tolerance: only the matmuls' row counts differ), with or without a prompt chunk riding along."""
+    target = load_target(tiny_target_dir, "float32")
+    model, layers = target.model, target.layer_ids
+    g = torch.Generator().manual_seed(2)
+    ours, theirs = _caches(model, [9, 14, 6], g)
+    monkeypatch.setattr(RaggedCache, "group_overhead", 0)
+    q, sizes = 5, [5, 1, 3]
+    parents = torch.tensor([-1, 0, 0, 1, 2])
+    ids = torch.randint(3, 60, (3, q), generator=g)
+    anc = ancestor_matrix(parents).repeat(3, 1, 1)
+    for b, n in enumerate(sizes):  # padding as batch._pad_trees: the root's token, sees only itself
+        ids[b, n:] = ids[b, 0]
+        anc[b, n:], anc[b, :, n:] = False, False
+        anc[b, range(n, q), range(n, q)] = True
+    pos = ours.lengths[:, None] + depths(parents)
+    real = torch.cat([torch.arange(n) + b * q for b, n in enumerate(sizes)])
+    chunk = torch.randint(3, 60, (1, 8), generator=g)
+    for cache in (ours, theirs):
+        cache.begin(q)
+    prompts = [(chunk, GrowingCache())] if with_chunk else []
+    lo, ao, chunks = fwd.mixed_forward(model, ids, pos, ours.mask(anc), ours, layers, 0, ours.groups,
+                                       prompts, real)
+    lt, at = fwd.step_forward(model, ids, pos, theirs.mask(anc), theirs, layers, row_groups=theirs.groups)
+    assert lo.shape == (1, 9, model.config.vocab_size) and ao.shape[:2] == (1, 9)
+    assert len(chunks) == len(prompts)
+    tol = dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lo[0], lt.reshape(-1, lt.shape[-1])[real], **tol)
+    torch.testing.assert_close(ao[0], at.reshape(-1, at.shape[-1])[real], **tol)
+    slots = ours.lengths[:, None] + torch.arange(q)  # where the step wrote, [3,q]
+    for x, y in zip(ours.keys + ours.values, theirs.keys + theirs.values):
+        for b, n in enumerate(sizes):
+            torch.testing.assert_close(x[b, :, slots[b, :n]], y[b, :, slots[b, :n]], **tol)
