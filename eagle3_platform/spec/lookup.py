@@ -24,9 +24,13 @@ a fifth of the time, for a verify of 2 tokens that costs 5% more than 1. Demo he
 size 0, 18 Locust prompts, 64 tokens, decode only (s48/ride_ab.py): 1.20x plain decoding with matches
 of 3+ tokens (session 47's rule), 1.26x with 2+, 1.30x with any (tau 1.26 / 1.35 / 1.43); policy servers
 at c = 1, any match vs 3+: 1.02x, 1.01x, 1.00x, 1.00x (s48/ab1). The policy credits what they accept
-to plain decoding (policy.py). In a batch a match does not ride (batch.PLAIN_STEP_MAX_BATCH): the
-step's linears see each row's real tokens only (forward.mixed_forward's `real`), but attention runs
-every row at the widest row's width, which the servers' long contexts make dear (session 49).
+to plain decoding (policy.py). Since session 49 a batch's matches ride too: its step runs the linears
+over each row's real tokens only (forward.mixed_forward's `real`), so a match widens its own row,
+not every row (before, rows were padded to the widest and matches rode a row alone). cpu head's
+engine, plain steps of B rows of the report's prompts, 48 steps (s49/rideab.py): any match riding
+1.14x, 1.22x, 1.15x, 1.28x, 1.11x plain decoding at B = 2, 3, 4, 6, 8 (2+ tokens: 1.12x, 1.21x, 1.10x,
+1.26x, 1.11x; 3+: 1.04-1.26x); demo head, 32 steps: 1.07x and 1.10x at B = 12, 0.92x and 0.99x at 16,
+so above batch.PLAIN_STEP_MAX_BATCH (12) rows no match rides.
 
 This is the embedded engine's addition (SGLang's EAGLE-3 worker has no lookup branch; its NGRAM
 algorithm is a separate drafter), so reports name it apart from the head's own acceptance.
