@@ -30,10 +30,6 @@ from eagle3_platform.spec.sampling import greedy, target_probs, verify_greedy, v
 from eagle3_platform.spec.stops import Finisher
 from eagle3_platform.spec.tree import Tree, ancestor_matrix, depths, root_only
 
-# Plain steps of up to this many rows verify the rows' lookup matches. cpu/demo heads' engines, plain
-# steps of the report's prompts (~/.cache/eagle3-runs/s49/rideab.py): 1.11-1.28x plain decoding at
-# B = 2-8, 1.07x and 1.10x at 12, 0.92x and 0.99x at 16 (the rows' matches then fill dense matmuls).
-PLAIN_STEP_MAX_BATCH = 12
 PREFILL_CHUNK = 256  # prompt tokens per prefill forward (a long prompt is split across steps)
 # Below this temperature a request decodes greedily (the T -> 0 limit of sampling): logits / 1e-40
 # overflow fp32 to inf, softmax turns them into NaN and the draw fails
@@ -249,10 +245,9 @@ class Batch:
                                    max_draft_tokens)
         for b, tree in zip(drafting, proposed):
             trees[b] = tree
-        if max_draft_tokens == 0 and len(rows) <= PLAIN_STEP_MAX_BATCH:
-            # a plain step still verifies the rows' prompt-lookup matches (lookup.py): no head forward,
-            # and the step's linears see only the rows' real tokens (forward.mixed_forward's `real`),
-            # so a match widens its own row, not every row
+        if max_draft_tokens == 0:  # a plain step still verifies each row's prompt-lookup match
+            # (lookup.py): no head forward, and the step's linears see only the rows' real tokens
+            # (forward.mixed_forward's `real`), so a match widens its own row, not every row
             for b, r in enumerate(rows):
                 if hasattr(r.drafter, "plain_step"):
                     trees[b] = r.drafter.plain_step(trees[b])

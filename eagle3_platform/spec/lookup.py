@@ -29,8 +29,7 @@ over each row's real tokens only (forward.mixed_forward's `real`), so a match wi
 not every row (before, rows were padded to the widest and matches rode a row alone). cpu head's
 engine, plain steps of B rows of the report's prompts, 48 steps (s49/rideab.py): any match riding
 1.14x, 1.22x, 1.15x, 1.28x, 1.11x plain decoding at B = 2, 3, 4, 6, 8 (2+ tokens: 1.12x, 1.21x, 1.10x,
-1.26x, 1.11x; 3+: 1.04-1.26x); demo head, 32 steps: 1.07x and 1.10x at B = 12, 0.92x and 0.99x at 16,
-so above batch.PLAIN_STEP_MAX_BATCH (12) rows no match rides.
+1.26x, 1.11x; 3+: 1.04-1.26x).
 
 This is the embedded engine's addition (SGLang's EAGLE-3 worker has no lookup branch; its NGRAM
 algorithm is a separate drafter), so reports name it apart from the head's own acceptance.
