@@ -4,8 +4,7 @@ State of a running request r between steps (DESIGN §5, per row of the batch):
   target KV cache row = tokens 0..n-1 (committed);  pending = x_n, the last emitted token, not cached;
   drafter             = entries 0..n-1 + h_last predicting x_{n+1} (see drafter.py).
 A step drafts a tree rooted at every row's x_n, runs the target ONCE over all rows' trees (padded to
-the widest for attention, per-row tree masks and positions over the ragged cache; the linears run
-over the real nodes alone), accepts a root path + a bonus
+the widest, per-row tree masks and positions over the ragged cache), accepts a root path + a bonus
 token per row, keeps only that path in both caches and emits the accepted tokens + bonus. A row
 without a draft verifies its root alone: plain KV-cached decoding through the same code (the
 baseline), so stats are comparable.
@@ -150,8 +149,8 @@ class Batch:
     def step(self, max_draft_tokens: int | None = None,
              prompts: Sequence[tuple[Request, int]] = ()) -> list[tuple[Request, list[int]]]:
         """One verify step over every running row -> (request, tokens it may emit now) per row.
-        max_draft_tokens caps each row's draft (0 = plain decoding this step, but for the rows'
-        prompt-lookup matches; None = the config).
+        max_draft_tokens caps each row's draft (0 = plain decoding this step, but for the
+        prompt-lookup match of a row alone; None = the config).
         prompts: (request, up to n tokens) chunks of waiting prompts, run in the same target forward
         (as prefill() would, but sharing the step's weight reads); a prompt done here joins the batch
         after the step and comes back too, with its first token (as from prefill). If that forward
@@ -167,7 +166,6 @@ class Batch:
         trees = self._propose(rows, max_draft_tokens)
         q = max(len(t) for t in trees)
         tokens, depth, anc = _pad_trees(trees, q)  # [B,q], [B,q], [B,q,q]
-        real, starts = _unpadded(trees, q)  # the flat indices of real nodes [N]; row b's from starts[b]
         pos = self.cache.lengths[:, None] + depth  # [B,q]
         self.cache.begin(q)
         mask = self.cache.mask(anc) if len(rows) > 1 or q > 1 else None  # [B,1,q,S]
@@ -177,23 +175,21 @@ class Batch:
         self.failed_prompts, self.prompt_error = [], None
         try:
             logits, aux, chunk_out = e.forward_with_prompts(tokens, mask, pos, self.cache,
-                                                            e.draft if any_drafter else None, self.cache.groups,
-                                                            chunks, real)
+                                                            e.draft if any_drafter else None, self.cache.groups, chunks)
         except Exception as err:
             if not prompts:
                 raise
             self.failed_prompts, self.prompt_error = [r for r, _ in prompts], err
             prompts = spans = chunk_out = ()
-            logits, aux, _ = e.forward_with_prompts(tokens, mask, pos, self.cache, e.draft if any_drafter else None,
-                                                    self.cache.groups, [], real)
+            logits, aux = e.forward(tokens, mask, pos, self.cache, e.draft if any_drafter else None,
+                                    row_groups=self.cache.groups)
         out = []
         for b, (r, tree) in enumerate(zip(rows, trees)):
-            a = starts[b]  # row b's nodes are tokens a..a+len(tree)-1 of the packed logits/aux
-            path, bonus = self._accept(tree, logits[0, a:a + len(tree)], r)
+            path, bonus = self._accept(tree, logits[b, :len(tree)], r)
             self.cache.keep(b, path)  # row b: tokens 0..n-1, root, accepted nodes
             new = tree.tokens[path[1:]].tolist() + [bonus]  # accepted draft tokens + bonus
             if r.drafter is not None:  # entries n..n+m = (g of root/accepted nodes, next token)
-                r.drafter.commit(aux[:, [a + i for i in path]], torch.tensor(new))
+                r.drafter.commit(aux[b:b + 1, path], torch.tensor(new))
             r.n, r.pending = r.n + len(path), bonus
             r.steps, r.last_accepted = r.steps + 1, len(path) - 1
             r.last_drafted = int(depth[b, :len(tree)].max())
@@ -245,12 +241,10 @@ class Batch:
                                    max_draft_tokens)
         for b, tree in zip(drafting, proposed):
             trees[b] = tree
-        if max_draft_tokens == 0:  # a plain step still verifies each row's prompt-lookup match
-            # (lookup.py): no head forward, and the step's linears see only the rows' real tokens
-            # (forward.mixed_forward's `real`), so a match widens its own row, not every row
-            for b, r in enumerate(rows):
-                if hasattr(r.drafter, "plain_step"):
-                    trees[b] = r.drafter.plain_step(trees[b])
+        if max_draft_tokens == 0 and len(rows) == 1 and hasattr(rows[0].drafter, "plain_step"):
+            # a plain step alone still verifies its prompt-lookup match (lookup.py): no head forward,
+            # and at batch 1 the wider verify is cheap; in a batch it would widen every row's
+            trees[0] = rows[0].drafter.plain_step(trees[0])
         return trees
 
     def _accept(self, tree: Tree, logits: torch.Tensor, r: Request) -> tuple[list[int], int]:
@@ -264,14 +258,6 @@ class Batch:
         if r.temperature == 0:
             return int(greedy(logits))
         return int(torch.multinomial(target_probs(logits, r.temperature), 1, generator=r.gen))
-
-
-def _unpadded(trees: list[Tree], q: int) -> tuple[torch.Tensor, list[int]]:
-    """Trees padded to q nodes -> flat indices [N] of their real nodes in [B*q] (row-major), and where
-    each row's start in that packed order."""
-    sizes = [len(t) for t in trees]
-    real = torch.cat([torch.arange(n) + b * q for b, n in enumerate(sizes)])
-    return real, [sum(sizes[:b]) for b in range(len(trees))]
 
 
 def _pad_trees(trees: list[Tree], q: int):

@@ -109,54 +109,42 @@ class SpecEngine:
             return LookupDrafter(head, self.cfg.lookup_tokens, self.cfg.lookup_ngram)
         return head
 
-    def forward(self, ids, mask, pos, cache, drafter, logits_to_keep: int = 0, row_groups=None, real=None):
+    def forward(self, ids, mask, pos, cache, drafter, logits_to_keep: int = 0, row_groups=None):
         """-> (logits [B,T,V] (the last logits_to_keep positions' if > 0), aux [B,T,3H] | None);
         `cache` is updated in place. Features only when a draft consumes them. row_groups: a ragged
         cache's (start, stop, span) groups, for attention.py's grouped kernel (others ignore them).
-        real: a step's unpadded tokens (flat indices into ids [B,q]); then logits [1,N,V] and aux
-        [1,N,3H] hold those alone (in forward.py's loop only they go through the linears).
         A step (positions and a mask given, or one row's one token) of a Llama-style target runs
         forward.py's loop; prefill chunks and other models run transformers' forward."""
         if self._in_step_loop(ids, mask, pos):
             layers = self.layer_ids if drafter is not None else ()
             with threads(self.target_threads):
-                logits, aux = step_forward(self.model, ids, pos, mask, cache, layers, logits_to_keep,
-                                           row_groups, real)
-            return _packed(logits, aux, real)
+                return step_forward(self.model, ids, pos, mask, cache, layers, logits_to_keep, row_groups)
         kw = dict(attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
                   logits_to_keep=logits_to_keep)
         if row_groups is not None and self.grouped_attention:  # one group: attention's plain path
             kw["row_groups"] = row_groups
         with threads(self.target_threads):
             if drafter is None:
-                return _packed(self.model(input_ids=ids, **kw).logits, None, real)
+                return self.model(input_ids=ids, **kw).logits, None
             out = forward_capture(self.model, ids, self.layer_ids, **kw)
-        return _packed(out.logits, out.aux_hidden, real)
+        return out.logits, out.aux_hidden
 
     def _in_step_loop(self, ids, mask, pos) -> bool:
         """A step (positions and a mask given, or one row's one token) of a Llama-style target: it
         runs forward.py's loop."""
         return self.use_step_forward and pos is not None and (mask is not None or ids.shape == (1, 1))
 
-    def forward_with_prompts(self, ids, mask, pos, cache, drafter, row_groups, prompts, real=None):
-        """A step (as forward, `real` too) with prompt chunks [(ids [1,c], prompt cache, drafter)] in
-        the same target forward (forward.mixed_forward) -> (logits, aux, [(last logits [1,1,V], aux |
-        None)] per chunk). Features where the step's or the chunk's drafter consumes them. Where the
-        step does not go through forward.py's loop, the chunks run apart first."""
+    def forward_with_prompts(self, ids, mask, pos, cache, drafter, row_groups, prompts):
+        """A step (as forward) with prompt chunks [(ids [1,c], prompt cache, drafter)] in the same
+        target forward (forward.mixed_forward) -> (logits, aux, [(last logits [1,1,V], aux | None)] per
+        chunk). Features where the step's or the chunk's drafter consumes them. Where the step does not
+        go through forward.py's loop, the chunks run apart first."""
         if not prompts or not self._in_step_loop(ids, mask, pos):
             chunks = [self.forward(c, None, None, c_cache, d, logits_to_keep=1) for c, c_cache, d in prompts]
-            return (*self.forward(ids, mask, pos, cache, drafter, row_groups=row_groups, real=real), chunks)
+            return (*self.forward(ids, mask, pos, cache, drafter, row_groups=row_groups), chunks)
         wants = drafter is not None or any(d is not None for _, _, d in prompts)
         with threads(self.target_threads):
             logits, aux, chunks = mixed_forward(self.model, ids, pos, mask, cache,
                                                 self.layer_ids if wants else (), 0, row_groups,
-                                                [(c, c_cache) for c, c_cache, _ in prompts], real)
-        return (*_packed(logits, aux, real), chunks)
-
-
-def _packed(logits, aux, real):
-    """A step's outputs -> those of its unpadded tokens [1,N,...] (as they are where real is None, or
-    where they are packed already)."""
-    if real is None or logits.shape[:2] == (1, real.numel()):
-        return logits, aux
-    return logits.reshape(-1, logits.shape[-1])[real][None], None if aux is None else aux.reshape(-1, aux.shape[-1])[real][None]
+                                                [(c, c_cache) for c, c_cache, _ in prompts])
+        return logits, aux, chunks

@@ -37,65 +37,47 @@ def supports(model) -> bool:
 
 
 @torch.no_grad()
-def step_forward(model, ids, pos, mask, cache, layer_ids=(), logits_to_keep: int = 0, row_groups=None,
-                 real=None):
+def step_forward(model, ids, pos, mask, cache, layer_ids=(), logits_to_keep: int = 0, row_groups=None):
     """ids/pos [B,q], mask bool [B,1,q,S] or None (B = q = 1), cache: the step's (updated in place)
     -> (logits [B,q,V] (the last logits_to_keep positions' if > 0), aux [B,q,len(layer_ids)*H] | None):
-    what transformers' forward + features.capture.forward_capture return for the same step.
-    real: as mixed_forward's (packed outputs)."""
-    logits, aux, _ = mixed_forward(model, ids, pos, mask, cache, layer_ids, logits_to_keep, row_groups,
-                                   real=real)
+    what transformers' forward + features.capture.forward_capture return for the same step."""
+    logits, aux, _ = mixed_forward(model, ids, pos, mask, cache, layer_ids, logits_to_keep, row_groups)
     return logits, aux
 
 
 @torch.no_grad()
 def mixed_forward(model, ids, pos, mask, cache, layer_ids=(), logits_to_keep: int = 0, row_groups=None,
-                  prompts=(), real=None):
+                  prompts=()):
     """step_forward, with prompt chunks riding along: prompts = [(ids [1,c], cache)], each chunk
     continuing its prompt's own cache (c tokens after the cached ones, causal). Every linear runs
     once over the step's B*q tokens and the chunks' (a step at batch 7 and an 84-token chunk: 148 ms
     together against 93 + 110 ms apart, ~/.cache/eagle3-runs/s42/fused.py): the weights are read
     once, and a prefill forward's fixed cost goes. Attention stays per part, each over its own cache.
-    -> (logits, aux as step_forward, [(last logits [1,1,V], aux [1,c,3H] | None)] per chunk).
-    real: flat indices [N] of the step's tokens in ids.view(-1) that are not padding (None: all). Then
-    the linears run over those N tokens alone, not B*q: trees of different sizes are padded to the
-    widest for attention, but a padding token is never read, so its rows of every matmul are waste
-    (a 5-token tree beside 7 plain rows: 12 rows instead of 40). Attention still sees [B,q] (padding
-    as zeros, masked to itself), and logits/aux come back packed: [1,N,V], [1,N,3H] (logits_to_keep
-    must be 0)."""
+    -> (logits, aux as step_forward, [(last logits [1,1,V], aux [1,c,3H] | None)] per chunk)."""
     base = model.model
     rope = sys.modules[type(base.layers[0]).__module__].apply_rotary_pos_emb  # the model's own
     B, q = ids.shape
-    if real is not None and real.numel() == B * q:
-        real = None  # nothing padded
-    if real is not None and logits_to_keep:
-        raise ValueError("a packed step keeps every token's logits")
-    step_ids = ids if real is None else ids.view(-1)[real][None]  # [B,q] | [1,N]
-    n_step = step_ids.numel()
     parts = [((B, q), pos, mask, cache, row_groups)]  # (shape, positions, mask, cache, row groups)
     for c_ids, c_cache in prompts:
         past, c = c_cache.get_seq_length(), c_ids.shape[1]
         c_pos = torch.arange(past, past + c)[None]  # [1,c]
         c_mask = None if past == 0 else (torch.arange(past + c)[None] <= c_pos[0, :, None])[None, None]
         parts.append(((1, c), c_pos, c_mask, c_cache, None))  # mask [1,1,c,past+c]; None: causal
-    flat = prompts or real is not None
-    h = base.embed_tokens(step_ids if not flat else torch.cat([step_ids.view(1, -1)] + [i for i, _ in prompts], 1))
+    h = base.embed_tokens(ids if not prompts else torch.cat([ids.view(1, -1)] + [i for i, _ in prompts], 1))
     rotary = [base.rotary_emb(h, p) for _, p, _, _, _ in parts]  # cos, sin [b,q,hd] per part
-    bounds = _bounds([n_step] + [b * n for (b, n), *_ in parts[1:]])
-    unpack = [real] + [None] * len(prompts)  # the step's padded layout, for its attention
+    bounds = _bounds([b * n for (b, n), *_ in parts])
     kept = {}
     for i, layer in enumerate(base.layers):
         attn = layer.self_attn
         x = layer.input_layernorm(h)  # [B,q,H], or [1,N,H] over every part's tokens
         qa, ka, va = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
         outs = []
-        for (shape, _, m, kv_cache, groups), (cos, sin), (a, z), idx in zip(parts, rotary, bounds, unpack):
-            qs, ks, vs = (_heads(t, a, z, shape, attn.head_dim, idx) for t in (qa, ka, va))  # [b,H|kv,n,hd]
+        for (shape, _, m, kv_cache, groups), (cos, sin), (a, z) in zip(parts, rotary, bounds):
+            qs, ks, vs = (_heads(t, a, z, shape, attn.head_dim) for t in (qa, ka, va))  # [b,H|kv,n,hd]
             qs, ks = rope(qs, ks, cos, sin)
             ks, vs = kv_cache.update(ks, vs, i)  # [b,kv,S,hd]
             o, _ = grouped_decode_attention(attn, qs, ks, vs, m, scaling=attn.scaling, row_groups=groups)
-            o = o.reshape(shape[0] * shape[1], -1)  # o [b,n,H,hd] -> [b*n,H*hd]
-            outs.append(o if idx is None else o[idx])
+            outs.append(o.reshape(z - a, -1))  # o [b,n,H,hd] -> [b*n,H*hd]
         o = outs[0] if len(outs) == 1 else torch.cat(outs)
         h = h + attn.o_proj(o.view(*h.shape[:-1], -1))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
@@ -105,15 +87,15 @@ def mixed_forward(model, ids, pos, mask, cache, layer_ids=(), logits_to_keep: in
     if not prompts:
         logits = model.lm_head(base.norm(h[:, -logits_to_keep:] if logits_to_keep else h))
         return logits, aux_all, []
-    rows = h[0, :n_step].view(B, q, -1) if real is None else h[:, :n_step]
+    rows = h[0, :B * q].view(B, q, -1)
     rows = rows[:, -logits_to_keep:] if logits_to_keep else rows
     lasts = torch.stack([h[0, z - 1] for _, z in bounds[1:]])  # [P,H]: each chunk's last token
     logits = model.lm_head(base.norm(torch.cat([rows.reshape(-1, rows.shape[-1]), lasts])))
     n = rows.shape[0] * rows.shape[1]
     chunk_out = [(logits[n + j].view(1, 1, -1),  # a chunk's features outlive the step's: copied
                   None if aux_all is None else aux_all[:, a:z].clone()) for j, (a, z) in enumerate(bounds[1:])]
-    aux = None if aux_all is None else aux_all[0, :n_step].view(*rows.shape[:2], -1)
-    return logits[:n].view(*rows.shape[:2], logits.shape[-1]), aux, chunk_out
+    aux = None if aux_all is None else aux_all[0, :B * q].view(B, q, -1)
+    return logits[:n].view(B, -1, logits.shape[-1]), aux, chunk_out
 
 
 def _bounds(sizes: list[int]) -> list[tuple[int, int]]:
@@ -122,10 +104,6 @@ def _bounds(sizes: list[int]) -> list[tuple[int, int]]:
     return [(e - n, e) for n, e in zip(sizes, ends)]
 
 
-def _heads(t: torch.Tensor, a: int, z: int, shape: tuple[int, int], head_dim: int, real=None) -> torch.Tensor:
-    """Tokens a..z-1 of a projection ([B,q,D] or [1,N,D]) -> [b,heads,n,head_dim] for part shape (b, n);
-    with `real`, those tokens are the part's unpadded ones, scattered back into place (padding: zeros)."""
-    t = t.reshape(-1, t.shape[-1])[a:z]
-    if real is not None:
-        t = t.new_zeros(shape[0] * shape[1], t.shape[-1]).index_copy_(0, real, t)
-    return t.view(*shape, -1, head_dim).transpose(1, 2)
+def _heads(t: torch.Tensor, a: int, z: int, shape: tuple[int, int], head_dim: int) -> torch.Tensor:
+    """Tokens a..z-1 of a projection ([B,q,D] or [1,N,D]) -> [b,heads,n,head_dim] for part shape (b, n)."""
+    return t.reshape(-1, t.shape[-1])[a:z].view(*shape, -1, head_dim).transpose(1, 2)

@@ -16,20 +16,15 @@ Verification is unchanged (sampling.py), so output is too: greedy output equals 
 decoding whatever either drafter proposes; the branch only adds verify width (in bf16 on CPU, 5 more
 query tokens cost about as much as one).
 
-A match also rides the server's plain steps (`plain_step`, batch.py): where the draft-size policy
-decodes plainly because the head's forwards do not pay, a copy still costs no forward, and a verify
-of up to 9 tokens costs 1.05-1.54 decode steps at batch 1 (AMD EPYC, bf16 on the codes;
+A match also rides the server's plain steps at batch 1 (`plain_step`, batch.py): where the draft-size
+policy decodes plainly because the head's forwards do not pay, a copy still costs no forward, and a
+verify of up to 9 tokens costs 1.05-1.54 decode steps at batch 1 (AMD EPYC, bf16 on the codes;
 ~/.cache/eagle3-runs/s47/qcost.py). Any match, not only long ones: a 1-token match's lone token is right
 a fifth of the time, for a verify of 2 tokens that costs 5% more than 1. Demo head's engine at draft
 size 0, 18 Locust prompts, 64 tokens, decode only (s48/ride_ab.py): 1.20x plain decoding with matches
 of 3+ tokens (session 47's rule), 1.26x with 2+, 1.30x with any (tau 1.26 / 1.35 / 1.43); policy servers
 at c = 1, any match vs 3+: 1.02x, 1.01x, 1.00x, 1.00x (s48/ab1). The policy credits what they accept
-to plain decoding (policy.py). Since session 49 a batch's matches ride too: its step runs the linears
-over each row's real tokens only (forward.mixed_forward's `real`), so a match widens its own row,
-not every row (before, rows were padded to the widest and matches rode a row alone). cpu head's
-engine, plain steps of B rows of the report's prompts, 48 steps (s49/rideab.py): any match riding
-1.14x, 1.22x, 1.15x, 1.28x, 1.11x plain decoding at B = 2, 3, 4, 6, 8 (2+ tokens: 1.12x, 1.21x, 1.10x,
-1.26x, 1.11x; 3+: 1.04-1.26x).
+to plain decoding (policy.py).
 
 This is the embedded engine's addition (SGLang's EAGLE-3 worker has no lookup branch; its NGRAM
 algorithm is a separate drafter), so reports name it apart from the head's own acceptance.
