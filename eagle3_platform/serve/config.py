@@ -24,11 +24,11 @@ class ServeConfig:
     model_name: str | None = None     # /v1/models id; defaults to the target id
     # torch intra-op threads of the server's threads outside the engine's forwards and drafting
     # (sampling, bookkeeping). None = torch's default (every core): on 2 cores a baseline server
-    # left so decoded 1.25x slower than on 1 (its threads contend; README "Session 23").
+    # left so decoded 1.25x slower than on 1 (its threads contend; docs/MEASUREMENTS.md, "Session 23").
     torch_threads: int | None = None
     # threads of the target's forwards (prefill, verify); 0 = every core, None = torch_threads. The
     # Locust sweep runs one endpoint at a time, so the loaded server may take both cores of a 2-core
-    # box: baseline throughput at concurrency 8 went 40.7 -> 54-62 tok/s (README, "Serving threads").
+    # box: baseline throughput at concurrency 8 went 40.7 -> 54-62 tok/s (docs/MEASUREMENTS.md, "Serving threads").
     target_threads: int | None = None
     # threads of the head's drafting; 0 = every core, None = torch_threads. One drafted faster on the
     # boxes of sessions 16-22; on the Intel box of session 23 two draft a batch-1 chain 1.3x faster
