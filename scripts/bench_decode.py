@@ -12,6 +12,9 @@ Methods, interleaved per prompt within every repeat so machine-load drift hits a
   eagle3_chain      SpecEngine + EAGLE-3 head, `chain` preset      (needs --draft)
   eagle3_tree       SpecEngine + EAGLE-3 head, `tree` preset       (needs --draft)
   eagle3_X_lookupN  the same + a prompt-lookup branch of up to N tokens (--lookup-tokens N ...)
+  lookupN_plain     what a server does at draft size 0 (needs --draft and --lookup-tokens N): plain
+                    steps that verify the request's prompt-lookup match alone, the head never run;
+                    the row the head's drafts must beat
   eagle3_X_native   the same with the head's weights in bf16, not int8 (--head-weights int8 native)
   eagle3_X_dtN      the same with the head drafting on N threads (--draft-threads 1 N)
   oracle_chain      SpecEngine + a drafter that always proposes the engine's own greedy continuation
@@ -84,6 +87,15 @@ def engine_method(engine):
     return run
 
 
+def plain_lookup_method(engine):
+    """Draft size 0 at batch 1, as a server's policy may choose (spec/batch.py): every step decodes
+    plainly and verifies the request's prompt-lookup match (spec/lookup.py); the head only queues."""
+    def run(ids, max_new):
+        tokens, stats = engine.generate(ids, max_new, max_draft_tokens=0)
+        return tokens, dict(stats)
+    return run
+
+
 def oracle_method(target, refs: dict, target_threads=None):
     """The ceiling of the verify machinery: a zero-cost drafter that always proposes what the engine
     will emit. refs[prompt] starts as hf_greedy's output; `settle_oracle` makes it the engine's own
@@ -139,6 +151,9 @@ def build_methods(target, draft, args, refs: dict, bf16_target=None, stock_targe
             for n in args.lookup_tokens:  # the head's tree + a prompt-lookup branch (spec/lookup.py)
                 methods[f"eagle3_{name}_lookup{n}{suffix}"] = engine_method(
                     SpecEngine(target, draft, replace(cfg, lookup_tokens=n), tt, dt))
+        for n in args.lookup_tokens:  # the lookup branch alone, the head's drafts off (draft size 0)
+            cfg = replace(get_preset(args.spec[0]), head_weights=args.head_weights[0], lookup_tokens=n)
+            methods[f"lookup{n}_plain"] = plain_lookup_method(SpecEngine(target, draft, cfg, tt))
     if args.oracle:
         methods["oracle_chain"] = oracle_method(target, refs, tt)
     return methods

@@ -35,7 +35,7 @@ def test_bench_decode_rows_and_fp32_agreement(tiny_target_dir, random_head_expor
     result = json.loads(out.read_text())
     figures = result["figures"]
     spec_rows = {"eagle3_chain", "eagle3_chain_dt2", "eagle3_chain_lookup4", "eagle3_chain_lookup4_dt2",
-                 "oracle_chain"}
+                 "lookup4_plain", "oracle_chain"}
     assert spec_rows | {"hf_greedy", "engine_baseline"} <= set(figures)
     assert result["config"]["dtype"] == "float32" and result["config"]["n_prompts"] == 2
     for name in spec_rows:

@@ -196,6 +196,26 @@ def test_a_match_rides_the_plain_steps_of_a_row_alone(target, refs, monkeypatch)
         assert out == refs[p] and accepted == 0 and widest == 0
 
 
+def test_generate_at_draft_size_0_verifies_the_lookup_branch_alone(target, refs, monkeypatch):
+    """engine.generate(max_draft_tokens=0) (bench_decode.py's lookupN_plain row, a server's draft size
+    0 at batch 1): target greedy output, the head never drafts nor catches up, and the looping target
+    accepts some of the lookup branch (more tokens than verify steps over the prompts)."""
+    from eagle3_platform.spec.drafter import EagleDrafter
+
+    def no_head(*_, **__):
+        raise AssertionError("the head ran at draft size 0")
+
+    monkeypatch.setattr(EagleDrafter, "propose", no_head)
+    monkeypatch.setattr(EagleDrafter, "catch_up", no_head)
+    engine = SpecEngine(target, random_draft(target, 64), replace(PRESETS["chain"], lookup_tokens=8))
+    decoded = steps = 0
+    for p in PROMPTS + [LONG]:
+        out, stats = engine.generate(_ids(target, p), MAX_NEW, max_draft_tokens=0)
+        assert out == refs[p], p
+        decoded, steps = decoded + len(out) - 1, steps + stats["verify_steps"]
+    assert decoded > steps
+
+
 def test_the_worker_counts_plain_steps_that_verified_a_match_and_times_them(target, refs):
     """A plain step that verified a lookup match is still plain decoding (no head forward): the policy
     gets its time and its accepted tokens, as from any plain step (policy.py credits them to draft

@@ -76,15 +76,19 @@ class SpecEngine:
         return Batch(self)
 
     def generate(self, input_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
-                 stop: Sequence[str] = (), seed: int | None = None) -> tuple[list[int], dict]:
+                 stop: Sequence[str] = (), seed: int | None = None,
+                 max_draft_tokens: int | None = None) -> tuple[list[int], dict]:
         tokens: list[int] = []
-        for chunk in self.stream(input_ids, max_new_tokens, temperature, stop, seed):
+        for chunk in self.stream(input_ids, max_new_tokens, temperature, stop, seed, max_draft_tokens):
             tokens += chunk
         return tokens, self.last_stats
 
     def stream(self, input_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
-               stop: Sequence[str] = (), seed: int | None = None) -> Iterator[list[int]]:
-        """One request alone: yields chunks of accepted tokens (each verify step's accepted + bonus)."""
+               stop: Sequence[str] = (), seed: int | None = None,
+               max_draft_tokens: int | None = None) -> Iterator[list[int]]:
+        """One request alone: yields chunks of accepted tokens (each verify step's accepted + bonus).
+        max_draft_tokens: every step's draft cap, as a server's policy sets it (Batch.step; None =
+        the config; 0 = plain decoding that still verifies a prompt-lookup match)."""
         batch = self.batch()
         r = batch.open(input_ids, max_new_tokens, temperature, stop, seed)
         try:
@@ -94,7 +98,7 @@ class SpecEngine:
                     yield out
                 if r.done:
                     break
-                [(_, out)] = batch.step()
+                [(_, out)] = batch.step(max_draft_tokens)
         finally:
             self.last_stats = batch.close(r)
 
