@@ -72,9 +72,9 @@ class TrainConfig:
     # the head drafts at inference) or "all" (prompt tokens too). The teacher is the target's own
     # distribution at every position, so prompt positions are valid extra examples of "what the target
     # predicts next from its features" at no extra regeneration or extraction cost (DESIGN §9).
-    # Held-out metrics always count response positions only. Measured (docs/MEASUREMENTS.md, session 33): at 100k
-    # response tokens "all" lifted held-out tau by 0.026 for 1.39x the step cost, no more than the same
-    # time spent on more epochs over the responses, so the presets keep "response".
+    # Held-out metrics always count response positions only. Measured (docs/MEASUREMENTS.md, session
+    # 33): at 100k response tokens "all" lifted held-out tau by 0.026 for 1.39x the step cost, no more
+    # than the same time spent on more epochs over the responses, so the presets keep "response".
     supervise: str = "response"
     # Uniform noise on the target features while training (EAGLE-1's augmentation): each layer's
     # feature vector gets U(-a, a)·rms per element, a = feature_noise, rms = that vector's RMS (the

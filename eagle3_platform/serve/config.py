@@ -28,7 +28,8 @@ class ServeConfig:
     torch_threads: int | None = None
     # threads of the target's forwards (prefill, verify); 0 = every core, None = torch_threads. The
     # Locust sweep runs one endpoint at a time, so the loaded server may take both cores of a 2-core
-    # box: baseline throughput at concurrency 8 went 40.7 -> 54-62 tok/s (docs/MEASUREMENTS.md, "Serving threads").
+    # box: baseline throughput at concurrency 8 went 40.7 -> 54-62 tok/s (docs/MEASUREMENTS.md,
+    # "Serving threads").
     target_threads: int | None = None
     # threads of the head's drafting; 0 = every core, None = torch_threads. One drafted faster on the
     # boxes of sessions 16-22; on the Intel box of session 23 two draft a batch-1 chain 1.3x faster
