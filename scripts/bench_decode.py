@@ -80,18 +80,11 @@ def hf_method(target, eos_ids, target_threads=None, **kw):
     return run
 
 
-def engine_method(engine):
+def engine_method(engine, max_draft_tokens: int | None = None):
+    """max_draft_tokens: every step's draft cap (None: the preset's; 0: a server's draft size 0, plain
+    steps that verify the request's prompt-lookup match, spec/batch.py; the head only queues)."""
     def run(ids, max_new):
-        tokens, stats = engine.generate(ids, max_new)
-        return tokens, dict(stats)
-    return run
-
-
-def plain_lookup_method(engine):
-    """Draft size 0 at batch 1, as a server's policy may choose (spec/batch.py): every step decodes
-    plainly and verifies the request's prompt-lookup match (spec/lookup.py); the head only queues."""
-    def run(ids, max_new):
-        tokens, stats = engine.generate(ids, max_new, max_draft_tokens=0)
+        tokens, stats = engine.generate(ids, max_new, max_draft_tokens=max_draft_tokens)
         return tokens, dict(stats)
     return run
 
@@ -153,7 +146,7 @@ def build_methods(target, draft, args, refs: dict, bf16_target=None, stock_targe
                     SpecEngine(target, draft, replace(cfg, lookup_tokens=n), tt, dt))
         for n in args.lookup_tokens:  # the lookup branch alone, the head's drafts off (draft size 0)
             cfg = replace(get_preset(args.spec[0]), head_weights=args.head_weights[0], lookup_tokens=n)
-            methods[f"lookup{n}_plain"] = plain_lookup_method(SpecEngine(target, draft, cfg, tt))
+            methods[f"lookup{n}_plain"] = engine_method(SpecEngine(target, draft, cfg, tt), max_draft_tokens=0)
     if args.oracle:
         methods["oracle_chain"] = oracle_method(target, refs, tt)
     return methods
