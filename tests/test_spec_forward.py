@@ -32,15 +32,17 @@ def _caches(model, lengths, gen):
     return a, b
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype,pack", [("float32", True), ("bfloat16", True), ("float32", False)])
 @pytest.mark.parametrize("rows", [1, 3])
 @torch.no_grad()
-def test_step_forward_equals_transformers_forward(tiny_target_dir, monkeypatch, dtype, rows):
+def test_step_forward_equals_transformers_forward(tiny_target_dir, monkeypatch, dtype, pack, rows):
     """rows 3: a tree verify over rows of different lengths (row groups); rows 1: one decode token
-    with no mask, as the engine's batch-1 plain step."""
-    target = load_target(tiny_target_dir, dtype)
+    with no mask, as the engine's batch-1 plain step. pack: the linears fused and packed as
+    load_target makes them (one matmul for q/k/v and one for gate/up), or torch's own, called apart."""
+    target = load_target(tiny_target_dir, dtype, pack=pack)
     model, layers = target.model, target.layer_ids
     assert fwd.supports(model)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, fwd.FusedProjection) == pack
     g = torch.Generator().manual_seed(0)
     ours, theirs = _caches(model, [9, 14, 6][:rows], g)
     monkeypatch.setattr(RaggedCache, "group_overhead", 0)  # every row its own group
@@ -74,6 +76,18 @@ def test_step_forward_equals_transformers_forward(tiny_target_dir, monkeypatch, 
     m1 = None if rows == 1 else ours.mask(torch.ones(rows, 1, 1, dtype=torch.bool))
     logits, aux = fwd.step_forward(model, ids[:, :1], pos[:, :1], m1, ours, (), logits_to_keep=1)
     assert aux is None and logits.shape == (rows, 1, model.config.vocab_size)
+
+
+def test_rope_by_roll_equals_transformers_rotate_half():
+    """The step's RoPE (sign folded into sin, a roll) gives transformers' apply_rotary_pos_emb."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 6, 3, 16, generator=g), torch.randn(2, 2, 3, 16, generator=g)  # [b,heads,n,hd]
+    cos, sin = torch.randn(2, 3, 16, generator=g), torch.randn(2, 3, 16, generator=g)  # [b,n,hd]
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+    got = fwd._rope(torch.cat([q, k], dim=1), *fwd._rope_factors(cos, sin))
+    torch.testing.assert_close(got, torch.cat([want_q, want_k], dim=1), rtol=0, atol=1e-7)
 
 
 def test_only_llama_style_models_on_the_grouped_kernel_take_it(tiny_target_dir):
