@@ -110,13 +110,18 @@ def test_local_single_and_multi_turn(tiny_target_dir, tok, tmp_path):
     assert s["new_tokens"] == sum(sum(r["generation"]["new_tokens"]) for r in rows)
 
 
-@pytest.mark.parametrize("alone_from", [None, 16])
-def test_batched_greedy_equals_per_prompt_generate(varied, tok, alone_from, monkeypatch):
+@pytest.mark.parametrize("alone_from,step_forward", [(None, True), (16, True), (None, False)])
+def test_batched_greedy_equals_per_prompt_generate(varied, tok, alone_from, step_forward, monkeypatch):
     """Left padding + dropping finished rows must not change any row's greedy tokens; nor must
-    prefilling the long prompts alone (alone_from: ALONE_FROM lowered so the tiny prompts take it)."""
+    prefilling the long prompts alone (alone_from: ALONE_FROM lowered so the tiny prompts take it).
+    step_forward: decode steps through the engine's step forward (a Llama on the grouped kernel, as
+    load_target makes it) or, for any other model, through transformers' forward."""
     from eagle3_platform.data import local_gen
 
     model = varied.model
+    assert local_gen.supports(model)
+    if not step_forward:
+        monkeypatch.setattr(local_gen, "supports", lambda m: False)
     prompts = [render_prompt(tok, [{"role": "user", "content": u}]) for u in
                ["Hi", "What is the capital of France? Explain step by step.", "Solve: x + 3 = 7", "def add(a, b):"]]
     budgets = [5, 12, 3, 9]  # rows leave the batch at different steps

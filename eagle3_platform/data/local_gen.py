@@ -42,6 +42,7 @@ import torch
 
 from eagle3_platform.attention import cache_buffer
 from eagle3_platform.kv_cache import GrowingCache, slot_capacity
+from eagle3_platform.spec.forward import step_forward, supports
 from eagle3_platform.spec.sampling import greedy
 
 
@@ -264,12 +265,18 @@ class _Rows:
         self.depart([b for b in range(len(self.reqs)) if b not in gone], on_done)
 
     def forward(self, model) -> None:
-        """One token per row (finished and departed rows too, ignored) -> the next logits."""
+        """One token per row (finished and departed rows too, ignored) -> the next logits. Through the
+        engine's step forward where the model takes it (spec/forward.py: the same values as
+        transformers' forward, fewer small ops; regeneration 1.03-1.16x faster, session 51)."""
         B = len(self.reqs)
         self.mask = torch.cat([self.mask, self.mask.new_ones((B, 1))], dim=1)  # [B,P+1]
-        self.logits = model(input_ids=self.last.to(self.mask.device)[:, None], attention_mask=self.mask,
-                            position_ids=self.next_pos[:, None], past_key_values=self.cache,
-                            use_cache=True).logits[:, -1]  # [B,V]
+        ids, pos = self.last.to(self.mask.device)[:, None], self.next_pos[:, None]  # [B,1] each
+        if supports(model):
+            visible = self.mask.bool()[:, None, None, :]  # [B,1,1,P+1]: one query token sees every real slot
+            self.logits = step_forward(model, ids, pos, visible, self.cache, (), logits_to_keep=1)[0][:, -1]
+        else:
+            self.logits = model(input_ids=ids, attention_mask=self.mask, position_ids=pos,
+                                past_key_values=self.cache, use_cache=True).logits[:, -1]  # [B,V]
         self.next_pos = self.next_pos + 1
 
     def _cache_of(self, b: int) -> Prefix:
