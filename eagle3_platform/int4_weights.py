@@ -134,8 +134,8 @@ def int4_matmul(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()  # [M, in]
     first, *rest = (torch._weight_int4pack_mm_for_cpu(rows, p.packed, GROUP, p.scales_zeros)
                     for p in w.planes)  # [M, out] bf16 each
-    if not rest and x.dtype == torch.bfloat16:  # already the answer: no fp32 round trip (2 of a decode
-        return first.reshape(*x.shape[:-1], w.out_features)  # step's ~3000 small ops per linear)
+    if not rest and x.dtype == torch.bfloat16:  # one plane, bf16 in and out: the kernel's output is the
+        return first.reshape(*x.shape[:-1], w.out_features)  # answer (no fp32 round trip: 2 ops fewer)
     out = first.float()
     for plane in rest:  # the planes' sum in fp32
         out += plane

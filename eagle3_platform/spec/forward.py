@@ -14,8 +14,8 @@ ops, each ~1-1.5 µs of dispatch beside ~6 ms of kernels. Where load_target fuse
 transformers' arithmetic as a function; q and k turn together under one RoPE (rotate_half's sign
 folded into sin, so a roll replaces slice-negate-concatenate); each layer's parts are looked up once
 per model (_Layer), not through nn.Module attributes and calls. Same ops on the same numbers, so the
-same values: greedy output unchanged, engine steps 1.06-1.12x faster at batch 1-8 and EAGLE-3 at
-batch 1 ~1.08x (SmolLM2 bf16, 2 threads; ~/.cache/eagle3-runs/s51/stepab*.jsonl).
+same values: greedy output unchanged, plain engine steps 1.21x / 1.15x / 1.08x faster at batch
+1 / 4 / 8 and EAGLE-3 at batch 1 1.13x (SmolLM2 bf16, 2 threads; ~/.cache/eagle3-runs/s51/stepab2.jsonl).
 
 It runs only what a step hands it: an explicit mask over a cache (or one row's one token, which needs
 none) on a model whose layers look like Llama's and attend with attention.py's kernel, plus any prompt
@@ -159,7 +159,7 @@ def _plan(model) -> list[_Layer]:
 
 
 def _matmul(*linears):
-    """-> x [..., D] -> the linears' outputs side by side [..., sum out] in one call: their fused
+    """A callable x [..., D] -> the linears' outputs side by side [..., sum of out] in one call: their fused
     matmul where load_target fused them (packed_linear.FusedProjection siblings 0, 1, ... in order,
     q|k|v or gate|up), a PackedLinear's own matmul, or the modules and a concatenation."""
     first = linears[0]
