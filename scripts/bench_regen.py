@@ -1,7 +1,8 @@
 """Regeneration throughput through `regenerate_file`: a preset's path vs a reference path.
 
 Reference `turn1_demo_path` (default): fp32, batches of 8, 1 torch thread, torch's row-major linear
-kernels (the path before packed_linear.py); the preset's path is its
+kernels (the path before packed_linear.py; its decode steps, like every path's since session 51, go
+through the engine's step forward, which made it ~4% faster: the ratio errs low); the preset's path is its
 dtype (auto = bf16 where the CPU has it), length-planned batches and its thread count. With
 `--reference no_cache_reuse`: the preset's path with every turn re-prefilling its history (multi-turn
 KV cache reuse off). Same prompts (train prompts of `--workload` from `eagle3 sources`), same greedy
