@@ -83,8 +83,8 @@ def mixed_forward(model, ids, pos, mask, cache, layer_ids=(), logits_to_keep: in
         for (shape, _, m, kv_cache, groups), (cos, sin), (a, z) in zip(parts, rotary, bounds):
             qk = _rope(_heads(qk_all, a, z, shape, layer.head_dim), cos, sin)  # [b,H+kv,n,hd]
             ks, vs = kv_cache.update(qk[:, layer.n_heads:], _heads(v_all, a, z, shape, layer.head_dim), i)
-            q = qk[:, :layer.n_heads].contiguous()  # as the old separate q was: the same fp32 sums
-            o, _ = grouped_decode_attention(layer.attn, q, ks, vs, m, scaling=layer.scaling,
+            qs = qk[:, :layer.n_heads].contiguous()  # as the old separate q was: the same fp32 sums
+            o, _ = grouped_decode_attention(layer.attn, qs, ks, vs, m, scaling=layer.scaling,
                                             row_groups=groups)  # ks/vs [b,kv,S,hd] -> o [b,n,H,hd]
             outs.append(o.reshape(z - a, -1))  # [b*n,H*hd]
         o = outs[0] if len(outs) == 1 else torch.cat(outs)
