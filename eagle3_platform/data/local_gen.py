@@ -145,6 +145,7 @@ def decode_stream(model, queue: deque[Request], on_done: Callable[[Request, Gene
     Once `closed()` (checked before every step), the rows running end where they are (finish_reason
     "time") and the queue is left to the caller."""
     rows: _Rows | None = None
+    lean = supports(model)  # decode steps through spec/forward.step_forward; asked once, not per step
     while True:
         if closed is not None and closed():
             if rows is not None:
@@ -160,7 +161,7 @@ def decode_stream(model, queue: deque[Request], on_done: Callable[[Request, Gene
             rows.depart(finished, on_done)
             if rows.size == 0:
                 continue
-        rows.forward(model)
+        rows.forward(model, lean)
 
 
 def _admit(queue: deque[Request], rows: "_Rows | None", max_rows: int | None, budget: int | None
@@ -264,15 +265,15 @@ class _Rows:
                 g.finish_reason, r.keep_cache = "time", False
         self.depart([b for b in range(len(self.reqs)) if b not in gone], on_done)
 
-    def forward(self, model) -> None:
-        """One token per row (finished and departed rows too, ignored) -> the next logits. Through the
-        engine's step forward where the model takes it (spec/forward.py: the same values as
-        transformers' forward in fewer small ops; 128 chat prompts, demo preset: 1.03-1.16x the
-        tok/s, ~/.cache/eagle3-runs/s51/regenprof.py)."""
+    def forward(self, model, lean: bool) -> None:
+        """One token per row (finished and departed rows too, ignored) -> the next logits. lean (the
+        model takes it, forward.supports): through the engine's step forward (spec/forward.py: the
+        same values as transformers' forward in fewer small ops; 128 chat prompts, demo preset:
+        1.03-1.16x the tok/s, ~/.cache/eagle3-runs/s51/regenprof.py)."""
         B = len(self.reqs)
         self.mask = torch.cat([self.mask, self.mask.new_ones((B, 1))], dim=1)  # [B,P+1]
         ids, pos = self.last.to(self.mask.device)[:, None], self.next_pos[:, None]  # [B,1] each
-        if supports(model):
+        if lean:
             visible = self.mask.bool()[:, None, None, :]  # [B,1,1,P+1]: one query token sees every real slot
             self.logits = step_forward(model, ids, pos, visible, self.cache, (), logits_to_keep=1)[0][:, -1]
         else:
