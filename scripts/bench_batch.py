@@ -50,7 +50,8 @@ def run_engine(engine, prompts, max_new, draft_size=None, policy=None):
         out = batch.step(k)
         if policy is not None:
             policy.observe(len(out), k, batch.step_s, [r.last_accepted for r, _ in out],
-                           [r.last_drafted for r, _ in out], batch.resume_catch_up_s)
+                           [r.last_drafted for r, _ in out], batch.resume_catch_up_s,
+                           batch.catch_up_s - batch.resume_catch_up_s)
         for r, toks in out:
             outs[r] += toks
         steps, sizes = steps + len(out), sizes + [k or 0]

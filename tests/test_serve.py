@@ -549,8 +549,9 @@ def test_real_engine_batched_requests_equal_each_alone(tiny_target_dir, tiny_exp
 
 def test_the_worker_hands_the_policy_each_steps_catch_up(tiny_target_dir, tiny_export):
     """The worker passes the draft-size policy each step's catch-up of steps decoded plainly between
-    drafts (which it reports, spec/policy.py): none at the request's first draft (that backlog is its
-    prompt) or while decoding plainly, their backlog at the next draft."""
+    drafts (which it reports, spec/policy.py): none at the request's first draft or while decoding
+    plainly, their backlog at the next draft; and apart from it the catch-up on a new request's
+    prompt (charged to drafting): at its first draft only."""
     from eagle3_platform.serve.server import build_engine
     from eagle3_platform.serve.worker import EngineWorker, Job
 
@@ -561,8 +562,9 @@ def test_the_worker_hands_the_policy_each_steps_catch_up(tiny_target_dir, tiny_e
         def choose(self, batch_size):
             return 0 if len(self.seen) in (1, 2, 3) else 2
 
-        def observe(self, batch_size, k, seconds, accepted, drafted=None, catch_up_s=0.0):
-            self.seen.append((k, catch_up_s))
+        def observe(self, batch_size, k, seconds, accepted, drafted=None, catch_up_s=0.0,
+                    prompt_catch_up_s=0.0):
+            self.seen.append((k, catch_up_s, prompt_catch_up_s))
 
     engine, target, _ = build_engine(tiny_target_dir, tiny_export, "chain", dtype="float32")
     policy = Scripted()
@@ -574,8 +576,9 @@ def test_the_worker_hands_the_policy_each_steps_catch_up(tiny_target_dir, tiny_e
     worker._prefill(batch)
     for _ in range(5):
         worker._step(batch)
-    assert [k for k, _ in policy.seen] == [2, 0, 0, 0, 2]
-    assert [c for _, c in policy.seen[:4]] == [0.0] * 4 and policy.seen[4][1] > 0.0
+    assert [k for k, _, _ in policy.seen] == [2, 0, 0, 0, 2]
+    assert [c for _, c, _ in policy.seen[:4]] == [0.0] * 4 and policy.seen[4][1] > 0.0
+    assert policy.seen[0][2] > 0.0 and [p for _, _, p in policy.seen[1:]] == [0.0] * 4
 
 
 @pytest.mark.integration

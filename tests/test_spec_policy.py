@@ -309,3 +309,52 @@ def test_a_step_that_carried_prompt_chunks_teaches_acceptance_but_not_cost():
     assert (info["step_cost_ms_by_batch"], info["plain_step_ms_by_batch"], dict(p.caps)) == before
     assert p.depth_accept[4] > accept[4] and p.catch_up[2] > catch_up
     assert info["draft_size_hist"] == {"0": 25, "1": 20, "4": 25}
+
+
+@pytest.mark.parametrize("catch_up", [0.0, 0.05])
+def test_re_measures_that_pay_a_catch_up_come_as_rarely_as_the_budget_says(catch_up):
+    """Batch 8, plain decoding best but a 1-token draft within 5% of it (so its re-measures do not
+    back off by the rate alone), and every draft after plain steps first pays `catch_up` seconds (the
+    head's backlog: two plain steps' worth). Re-measuring k = 1 every 16 steps would spend ~13% of the
+    time on catch-ups; the policy spaces them so they cost about EXPLORE_BUDGET (3%) of it, and
+    reports what one cost. Without a catch-up they stay at the base rate."""
+    p, B = DraftSizePolicy(k_max=4, explore_every=16), 8
+    cost = lambda k: 0.025 if k == 0 else 0.0368 * (1 + 0.2 * (k - 1))  # noqa: E731  1.4 tokens a row at k = 1
+    chosen = []
+    for _ in range(1000):
+        k = p.choose(B)
+        after_plain = bool(chosen) and chosen[-1] == 0 and k > 0
+        p.observe(B, k, cost(k), [min(k, 1) if b < 3 else 0 for b in range(B)], None,
+                  catch_up if after_plain else 0.0)
+        chosen.append(k)
+    tail = chosen[-700:]
+    re_measures = sum(a == 0 and b > 0 for a, b in zip(tail, tail[1:]))
+    assert p.best(B) == 0
+    if catch_up:
+        assert re_measures <= 15  # ~700 / 70: a re-measure costs ~2.1 plain steps, 3% of 70 steps
+        assert abs(p.info()["re_measure_cost_steps"]["8:0"] - 2.07) < 0.2
+    else:
+        assert re_measures >= 30  # every 16 steps (the rate is within CLOSE_RATE: no back-off)
+
+
+@pytest.mark.parametrize("prompt_s", [0.0, 0.02])
+def test_drafting_is_charged_what_the_head_spends_on_new_prompts(prompt_s):
+    """Batch 8, a new request every 8 steps; a 1-token draft is 5% faster than plain decoding per
+    step, but before a row's first draft the head appends its prompt (prompt_s seconds, timed apart
+    from the step). Drafting at every step then pays prompt_s / 8 a step (7.5% of a plain one), so
+    plain decoding is faster overall, and the policy sees it; with free prompts it drafts."""
+    p, B, waiting, chosen = DraftSizePolicy(k_max=4, explore_every=16), 8, 0, []
+    cost = lambda k: 0.025 if k == 0 else 0.0328 * (1 + 0.2 * (k - 1))  # noqa: E731  1.375 tokens a row
+    for step in range(1000):
+        waiting += step % 8 == 0  # prompts whose rows have not drafted yet
+        k = p.choose(B)
+        caught_up = prompt_s * waiting if k else 0.0
+        waiting = waiting if k == 0 else 0
+        p.observe(B, k, cost(k), [min(k, 1) if b < 3 else 0 for b in range(B)], None, 0.0, caught_up)
+        chosen.append(k)
+    tail = chosen[-300:]
+    if prompt_s:
+        assert p.best(B) == 0 and tail.count(0) >= 270
+        assert abs(p.prompt_charge[8] - prompt_s / 8 / B) < 0.2 * prompt_s / 8 / B  # per step and row
+    else:
+        assert p.best(B) == 1 and tail.count(1) >= 270

@@ -296,7 +296,8 @@ class EngineWorker:
             # (a plain step's lookup match is timed: its cost and tokens are plain decoding's, policy.py)
             self.policy.observe(len(jobs), k, None if riders else batch.step_s,
                                 [r.last_accepted for r, _ in rows], [r.last_drafted for r, _ in rows],
-                                batch.resume_catch_up_s)
+                                batch.resume_catch_up_s,
+                                batch.catch_up_s - batch.resume_catch_up_s)
         for r, toks in rows:
             self._deliver(batch, jobs[r], toks)
         riding = {j.request: j for j, _ in riders}

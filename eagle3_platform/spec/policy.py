@@ -66,19 +66,42 @@ A k is only left for one predicted to be `SWITCH_MARGIN` faster (no flapping on 
 Drafting after plain steps also pays the head's catch-up: the steps decoded without a draft are
 appended to every row's draft KV before it drafts again (batch.py times it apart from the step, so the
 line and the plain mean compare steady states). It is measured at each first draft after plain steps
-(a new request's prompt, which its first draft appends, left out) and reported, not charged: with the
-cpu head on 2 cores it was ~10 ms a return at batch 2 and 5-7 ms at batch 1 (s41/c2trace2.py), ~1.5%
-of a step, and a charge spread over explore_every steps kept the policy on plain decoding after a long
-plain stretch (whose return carries a long backlog, once) when a draft had become 4-5% faster.
+(a new request's prompt, which its first draft appends, left out) and reported, not charged to a
+size's rate: with the cpu head on 2 cores it was ~10 ms a return at batch 2 and 5-7 ms at batch 1
+(s41/c2trace2.py), ~1.5% of a step, and a charge spread over explore_every steps kept the policy on
+plain decoding after a long plain stretch (whose return carries a long backlog, once) when a draft
+had become 4-5% faster.
+It sets how often re-measures come instead. At batch 8 on 2 cores (demo head, 8 closed-loop clients;
+~/.cache/eagle3-runs/s52/trace2.py) a re-measure of k = 1 from plain decoding took 54-67 ms against
+a 25 ms plain step, most of it the head catching up on eight rows' plain steps and on the prompts of
+the rows that joined meanwhile, and re-measures came every ~14 steps (a line within a few % of plain
+decoding flipped the choice, and a new choice re-measures soon): ~10% of the time. Each re-measure's
+cost beyond what the incumbent takes for as many tokens, its catch-up included, is averaged per
+(bucket, incumbent) in incumbent steps, and the next re-measure waits at least that over
+EXPLORE_BUDGET (3%: one worth two plain steps comes every ~70 steps, one that costs nothing at the
+base rate).
+New requests' prompts are charged: a row's first draft appends its whole prompt to the head's KV
+(~5-8 ms for a chat prompt), which drafting pays once per request and plain decoding never. Per
+bucket, the prompt catch-up per step and sequence since the bucket last drafted is a running mean
+(forgetting per step of the bucket, as plain's) added to every draft size's cost: at batch 1 a
+64-token request spreads one prompt over ~45 steps (~1% of a step); at batch 8 one joins every ~8
+steps (~3%), which turns a 1-token draft even with plain decoding in step cost into a loss.
+Both, measured together (~/.cache/eagle3-runs/s52/inproc2.py: the server's worker in process, demo
+head, C closed-loop clients, 4 rounds of 20 s cells, the modes rotated in one process), output tok/s
+against the baseline engine's, before -> after: C = 8 0.902x -> 0.982x, C = 2 0.975x -> 0.966x, C = 1
+1.061x -> 1.144x; the head forced to plain decoding (a row alone still verifying its lookup match)
+1.014x, 1.038x, 1.178x: with this head the policy still drafts where it should not, less often.
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 EMA = 0.1  # weight of a new step in the running means (acceptance and the cost lines)
 SWITCH_MARGIN = 0.02  # leave the current k only for a predicted gain above 2%
 MAX_EXPLORE_GAP = 256  # steps of a bucket between re-measures once its choice has held for a while
 CLOSE_RATE = 0.1  # a neighbour predicted within 10% of the best is re-measured at the base rate
+EXPLORE_BUDGET = 0.03  # re-measures may cost at most this share of a bucket's time (catch-up included)
 
 
 class CostLine:
@@ -134,6 +157,12 @@ class DraftSizePolicy:
         self._re_measures: Counter = Counter()  # B bucket -> neighbours re-measured so far
         self._plain_at: dict[int, int] = {}  # B bucket -> its step count at its last plain step
         self.catch_up: dict[int, float] = {}  # B bucket -> running mean seconds of a first draft's catch-up
+        self.prompt_charge: dict[int, float] = {}  # B bucket -> seconds per step and sequence the head
+        # spends on new requests' prompts while drafting (running mean per step of the bucket)
+        self._draft_at: dict[int, int] = {}  # B bucket -> its step count at its last drafting step
+        self._pending: dict[int, tuple[int, int]] = {}  # B bucket -> (its re-measured k, its incumbent)
+        self.explore_cost: dict[tuple[int, int], float] = {}  # (B bucket, incumbent k) -> what re-measuring
+        # away from it cost, in the incumbent's steps (running mean)
         self._last_k: int | None = None  # the draft size of the last observed step (any batch size)
 
     def choose(self, batch_size: int) -> int:
@@ -162,7 +191,7 @@ class DraftSizePolicy:
         k, n = self.best(batch_size), self._steps[b]
         if k != self._incumbent.get(b):  # a new choice: re-measure its neighbours soon
             self._incumbent[b], self._gap[b] = k, self.explore_every
-            self._next_explore[b] = n + self.explore_every
+            self._next_explore[b] = n + self._explore_gap(b, k)
         if n < self._next_explore[b]:
             return k
         self._re_measures[b] += 1
@@ -173,8 +202,15 @@ class DraftSizePolicy:
             other = 0  # plain decoding's worth moves with its lookup matches: a neighbour of every size
         if rates.get(other, 0.0) < rates[k] * (1 - CLOSE_RATE):  # clearly worse: wait longer next time
             self._gap[b] = min(2 * self._gap[b], MAX_EXPLORE_GAP)
-        self._next_explore[b] = n + self._gap[b]
+        self._next_explore[b] = n + self._explore_gap(b, k)
+        self._pending[b] = (other, k)
         return other
+
+    def _explore_gap(self, b: int, k: int) -> int:
+        """Steps to the next re-measure of bucket b's neighbours of k: its back-off gap, and at least
+        what keeps re-measures within EXPLORE_BUDGET of the time at what they cost away from k."""
+        budget = math.ceil(self.explore_cost.get((b, k), 0.0) / EXPLORE_BUDGET)
+        return min(max(self._gap[b], budget), MAX_EXPLORE_GAP)
 
     def accepted(self, k: int) -> float:
         """a(k): expected accepted draft tokens per sequence at draft size k (unknown depths: 1)."""
@@ -206,6 +242,8 @@ class DraftSizePolicy:
         cost = {k: line.predict(self.depth(k, batch_size))
                 for k in range(max(0, lo - 1), min(self.k_max, hi + 1) + 1)}
         plain_cost = (self.plain if plain is None else plain).get(b)
+        charge = self.prompt_charge.get(b, 0.0)  # what drafting spends on new prompts, per step
+        cost = {k: c + (charge if k else 0.0) for k, c in cost.items()}
         if plain_cost is not None:  # measured, so always a candidate: no walk down to it
             cost[0] = plain_cost
         a0 = self.plain_accepted.get(b, 0.0)  # what a plain step's lookup match added (a row alone)
@@ -222,19 +260,29 @@ class DraftSizePolicy:
         return k
 
     def observe(self, batch_size: int, k: int, seconds: float | None, accepted: list[int],
-                drafted: list[int] | None = None, catch_up_s: float = 0.0) -> None:
+                drafted: list[int] | None = None, catch_up_s: float = 0.0,
+                prompt_catch_up_s: float = 0.0) -> None:
         """One finished step at draft size k: its wall time (without the head's catch-up; None where
         the step did other work too, e.g. carried prompt chunks: then acceptance and the catch-up are
         learnt, not cost), each sequence's accepted draft tokens, the depth its draft reached (None: k
         for every row, a draft never cut short) and the seconds its drafters spent before drafting on
-        the steps decoded plainly since they last drafted (Batch.resume_catch_up_s)."""
+        the steps decoded plainly since they last drafted (Batch.resume_catch_up_s), and before drafting
+        for the first time on their prompts (the rest of Batch.catch_up_s)."""
         drafted = [k] * len(accepted) if drafted is None else drafted
         b = _bucket(batch_size)
+        pending = self._pending.pop(b, None)
+        if pending is not None and pending[0] == k:  # the re-measure chosen for this bucket
+            self._re_measured(b, pending[1], batch_size, seconds, accepted, catch_up_s + prompt_catch_up_s)
         # the first drafts after plain steps: what returning to drafts cost (timed before the forward)
         if k > 0 and self._last_k == 0:
             prev = self.catch_up.get(b)
             self.catch_up[b] = catch_up_s if prev is None else prev + EMA * (catch_up_s - prev)
         self._last_k = k
+        if k > 0:  # new requests' prompts, caught up over the steps since this bucket last drafted
+            gap = max(1, self._steps[b] - self._draft_at.get(b, 0))
+            prev, w = self.prompt_charge.get(b, 0.0), 1 - (1 - EMA) ** gap
+            self.prompt_charge[b] = prev + w * (prompt_catch_up_s / gap / batch_size - prev)
+            self._draft_at[b] = self._steps[b]
         self.hist[k] += 1
         if seconds is not None:
             self._observe_cost(b, k, seconds / batch_size, drafted, accepted)
@@ -246,6 +294,19 @@ class DraftSizePolicy:
             tried = [a for a, m in zip(accepted, drafted) if a >= d - 1 and m >= d]  # parent accepted
             if tried:
                 self._update(self.depth_accept, "h", d, sum(a >= d for a in tried) / len(tried))
+
+    def _re_measured(self, b: int, incumbent: int, batch_size: int, seconds: float | None,
+                     accepted: list[int], catch_up_s: float) -> None:
+        """What a re-measure away from `incumbent` cost, in the incumbent's steps: its catch-up and the
+        time its step took beyond what the incumbent takes for as many tokens (a mean of the first
+        1/EMA, then running: one re-measure that caught up on eight prompts does not set it alone)."""
+        rate = self.rates(batch_size).get(incumbent)
+        if not rate:
+            return
+        tokens = 1 + (self.accepted(incumbent) if incumbent else self.plain_accepted.get(b, 0.0))
+        step = batch_size * tokens / rate  # seconds of one incumbent step (rate: the batch's tokens/s)
+        extra = catch_up_s + (0.0 if seconds is None else seconds - (batch_size + sum(accepted)) / rate)
+        self._update(self.explore_cost, "explore", (b, incumbent), max(0.0, extra) / step, prior=None)
 
     def _observe_cost(self, b: int, k: int, y: float, drafted: list[int], accepted: list[int]) -> None:
         """A step's seconds per sequence y at draft size k in bucket b: the sizes timed (the line's
@@ -285,6 +346,7 @@ class DraftSizePolicy:
         hist, accept, reach = dict(self.hist), dict(self.depth_accept), dict(self.depth_drafted)
         lines = {b: line for b, line in dict(self.lines).items() if line.ready}
         plain, gaps, catch_up = dict(self.plain), dict(self._gap), dict(self.catch_up)
+        explore, charge = dict(self.explore_cost), dict(self.prompt_charge)
         return {"draft_size_current": self.current,
                 "draft_size_hist": {str(k): n for k, n in sorted(hist.items())},
                 "draft_size_by_batch": {str(b): self.best(b, lines, plain) for b in sorted(lines)},
@@ -294,9 +356,11 @@ class DraftSizePolicy:
                 "plain_step_lookup_tokens_by_batch": {str(b): round(a, 3) for b, a
                                                       in sorted(dict(self.plain_accepted).items())},
                 "catch_up_ms_by_batch": {str(b): round(1e3 * c, 3) for b, c in sorted(catch_up.items())},
+                "prompt_catch_up_ms_by_batch": {str(b): round(1e3 * c, 3) for b, c in sorted(charge.items())},
                 "drafted_rate_by_depth": {str(d): round(p, 3) for d, p in sorted(reach.items())},
                 "accept_rate_by_depth": {str(d): round(q, 3) for d, q in sorted(accept.items())},
-                "re_measure_gap_by_batch": {str(b): g for b, g in sorted(gaps.items())}}
+                "re_measure_gap_by_batch": {str(b): g for b, g in sorted(gaps.items())},
+                "re_measure_cost_steps": {f"{b}:{k}": round(c, 3) for (b, k), c in sorted(explore.items())}}
 
     def _nearest_best(self, bucket: int) -> int:
         measured = [b for b, line in self.lines.items() if line.ready]
