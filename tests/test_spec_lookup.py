@@ -229,7 +229,8 @@ def test_the_worker_counts_plain_steps_that_verified_a_match_and_times_them(targ
         def choose(self, batch_size):
             return 0
 
-        def observe(self, batch_size, k, seconds, accepted, drafted=None, catch_up_s=0.0):
+        def observe(self, batch_size, k, seconds, accepted, drafted=None, catch_up_s=0.0,
+                    prompt_catch_up_s=0.0):
             self.seconds.append((seconds, drafted[0]))
             self.accepted += accepted
 
