@@ -160,7 +160,7 @@ class DraftSizePolicy:
         self.prompt_charge: dict[int, float] = {}  # B bucket -> seconds per step and sequence the head
         # spends on new requests' prompts while drafting (running mean per step of the bucket)
         self._draft_at: dict[int, int] = {}  # B bucket -> its step count at its last drafting step
-        self._pending: dict[int, tuple[int, int]] = {}  # B bucket -> (its re-measured k, its incumbent)
+        self._pending: dict[int, int] = {}  # B bucket -> the k its last choice re-measures
         self.explore_cost: dict[tuple[int, int], float] = {}  # (B bucket, incumbent k) -> what re-measuring
         # away from it cost, in the incumbent's steps (running mean)
         self._last_k: int | None = None  # the draft size of the last observed step (any batch size)
@@ -203,7 +203,7 @@ class DraftSizePolicy:
         if rates.get(other, 0.0) < rates[k] * (1 - CLOSE_RATE):  # clearly worse: wait longer next time
             self._gap[b] = min(2 * self._gap[b], MAX_EXPLORE_GAP)
         self._next_explore[b] = n + self._explore_gap(b, k)
-        self._pending[b] = (other, k)
+        self._pending[b] = other
         return other
 
     def _explore_gap(self, b: int, k: int) -> int:
@@ -270,9 +270,9 @@ class DraftSizePolicy:
         for the first time on their prompts (the rest of Batch.catch_up_s)."""
         drafted = [k] * len(accepted) if drafted is None else drafted
         b = _bucket(batch_size)
-        pending = self._pending.pop(b, None)
-        if pending is not None and pending[0] == k:  # the re-measure chosen for this bucket
-            self._re_measured(b, pending[1], batch_size, seconds, accepted, catch_up_s + prompt_catch_up_s)
+        if self._pending.pop(b, None) == k:  # the re-measure chosen for this bucket, away from its incumbent
+            self._re_measured(b, self._incumbent[b], batch_size, seconds, accepted,
+                              catch_up_s + prompt_catch_up_s)
         # the first drafts after plain steps: what returning to drafts cost (timed before the forward)
         if k > 0 and self._last_k == 0:
             prev = self.catch_up.get(b)
@@ -280,7 +280,7 @@ class DraftSizePolicy:
         self._last_k = k
         if k > 0:  # new requests' prompts, caught up over the steps since this bucket last drafted
             gap = max(1, self._steps[b] - self._draft_at.get(b, 0))
-            prev, w = self.prompt_charge.get(b, 0.0), 1 - (1 - EMA) ** gap
+            prev, w = self.prompt_charge.get(b, 0.0), _per_step_weight(gap)
             self.prompt_charge[b] = prev + w * (prompt_catch_up_s / gap / batch_size - prev)
             self._draft_at[b] = self._steps[b]
         self.hist[k] += 1
@@ -318,7 +318,7 @@ class DraftSizePolicy:
             self.lines.setdefault(b, CostLine()).add(m, y)
         if k == 0:  # the mean forgets per step of the bucket, as the line does, not per plain step
             gap = max(1, self._steps[b] - self._plain_at.get(b, 0))  # >= 1: an observe without a choose
-            prev, w = self.plain.get(b), 1 - (1 - EMA) ** gap
+            prev, w = self.plain.get(b), _per_step_weight(gap)
             self.plain[b] = y if prev is None else prev + w * (y - prev)
             self._plain_at[b] = self._steps[b]
             # what its lookup match added: a property of the text, not the machine, and 0-8 tokens
@@ -368,6 +368,11 @@ class DraftSizePolicy:
             return self.k_max  # the very first steps: full drafts teach every depth's acceptance
         nearest = min(measured, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
         return self.best(nearest)
+
+
+def _per_step_weight(gap: int) -> float:
+    """The weight of a value that stands for `gap` steps of a bucket in a mean that forgets EMA per step."""
+    return 1 - (1 - EMA) ** gap
 
 
 def _bucket(batch_size: int) -> int:
