@@ -358,3 +358,30 @@ def test_drafting_is_charged_what_the_head_spends_on_new_prompts(prompt_s):
         assert abs(p.prompt_charge[8] - prompt_s / 8 / B) < 0.2 * prompt_s / 8 / B  # per step and row
     else:
         assert p.best(B) == 1 and tail.count(1) >= 270
+
+
+def test_a_return_to_drafting_after_a_plain_stretch_does_not_dilute_the_prompt_charge():
+    """Batch 8, a request joins every 8 steps and a row's first draft appends its prompt (prompt_s).
+    While drafting goes on that is prompt_s / 8 a step. After 200 plain steps the return to drafting
+    appends the prompts of the 8 rows that joined meanwhile and are still running (the others finished
+    undrafted): spread over the 200 steps that is 25x too little, and it used to replace the charge
+    (0.32x the steady one here, right where the choice to return is made; and spread per step, the
+    charge swung to 1.40x after a join). It is what the return cost instead (catch_up), and the
+    charge keeps what steady drafting pays."""
+    p, B, prompt_s = DraftSizePolicy(k_max=4), 8, 0.02
+    steady = prompt_s / 8 / B  # seconds per step and row
+
+    def run(k, steps, step0):
+        for step in range(step0, step0 + steps):
+            p.choose(B)  # the worker asks first; the test sets the size
+            joined = prompt_s if k and step % 8 == 0 else 0.0
+            p.observe(B, k, 0.03, [min(k, 1)] + [0] * (B - 1), None, 0.0, joined)
+
+    run(1, 64, 1)
+    assert abs(p.prompt_charge[B] - steady) < 0.05 * steady
+    run(0, 200, 65)
+    p.choose(B)
+    p.observe(B, 1, 0.03, [1] + [0] * (B - 1), None, 0.004, B * prompt_s)  # the return
+    run(1, 15, 266)
+    assert abs(p.prompt_charge[B] - steady) < 0.05 * steady
+    assert abs(p.catch_up[B] - (0.004 + B * prompt_s)) < 1e-9  # the return's backlog, its prompts included

@@ -66,8 +66,8 @@ A k is only left for one predicted to be `SWITCH_MARGIN` faster (no flapping on 
 Drafting after plain steps also pays the head's catch-up: the steps decoded without a draft are
 appended to every row's draft KV before it drafts again (batch.py times it apart from the step, so the
 line and the plain mean compare steady states). It is measured at each first draft after plain steps
-(a new request's prompt, which its first draft appends, left out) and reported, not charged to a
-size's rate: with the cpu head on 2 cores it was ~10 ms a return at batch 2 and 5-7 ms at batch 1
+(with the prompts of the rows that joined meanwhile, which that draft appends too) and reported, not
+charged to a size's rate: with the cpu head on 2 cores it was ~10 ms a return at batch 2 and 5-7 ms at batch 1
 (s41/c2trace2.py), ~1.5% of a step, and a charge spread over explore_every steps kept the policy on
 plain decoding after a long plain stretch (whose return carries a long backlog, once) when a draft
 had become 4-5% faster.
@@ -82,10 +82,15 @@ EXPLORE_BUDGET (3%: one worth two plain steps comes every ~70 steps, one that co
 base rate).
 New requests' prompts are charged: a row's first draft appends its whole prompt to the head's KV
 (~5-8 ms for a chat prompt), which drafting pays once per request and plain decoding never. Per
-bucket, the prompt catch-up per step and sequence since the bucket last drafted is a running mean
-(forgetting per step of the bucket, as plain's) added to every draft size's cost: at batch 1 a
-64-token request spreads one prompt over ~45 steps (~1% of a step); at batch 8 one joins every ~8
-steps (~3%), which turns a 1-token draft even with plain decoding in step cost into a loss.
+bucket, while drafting goes on, each prompt caught up is spread over the drafting steps since the
+previous one, per sequence, in a running mean (forgetting per step, as plain's) added to every draft
+size's cost: at batch 1 a 64-token request spreads one prompt over ~45 steps (~1% of a step); at
+batch 8 one joins every ~8 steps (~3%), which turns a 1-token draft even with plain decoding in step
+cost into a loss. The prompts a return from plain decoding appends are that return's catch-up, not
+a sample of the charge: spread over the plain stretch they missed every request that joined and
+finished undrafted in it (8 prompts over 200 steps at batch 8 read 0.32x the steady charge), and
+the mean, which forgets per step, took that value whole, right where the choice to return is made.
+(Spread over single steps instead, the mean swung 0.7-1.4x between joins.)
 Both, measured together (~/.cache/eagle3-runs/s52/inproc2.py: the server's worker in process, demo
 head, C closed-loop clients, 4 rounds of 20 s cells, the modes rotated in one process), output tok/s
 against the baseline engine's, before -> after: C = 8 0.902x -> 0.982x, C = 2 0.975x -> 0.966x, C = 1
@@ -159,7 +164,7 @@ class DraftSizePolicy:
         self.catch_up: dict[int, float] = {}  # B bucket -> running mean seconds of a first draft's catch-up
         self.prompt_charge: dict[int, float] = {}  # B bucket -> seconds per step and sequence the head
         # spends on new requests' prompts while drafting (running mean per step of the bucket)
-        self._draft_at: dict[int, int] = {}  # B bucket -> its step count at its last drafting step
+        self._since_prompt: dict[int, int] = {}  # B bucket -> drafting steps since its last prompt catch-up
         self._pending: dict[int, int] = {}  # B bucket -> the k its last choice re-measures
         self.explore_cost: dict[tuple[int, int], float] = {}  # (B bucket, incumbent k) -> what re-measuring
         # away from it cost, in the incumbent's steps (running mean)
@@ -273,16 +278,18 @@ class DraftSizePolicy:
         if self._pending.pop(b, None) == k:  # the re-measure chosen for this bucket, away from its incumbent
             self._re_measured(b, self._incumbent[b], batch_size, seconds, accepted,
                               catch_up_s + prompt_catch_up_s)
-        # the first drafts after plain steps: what returning to drafts cost (timed before the forward)
-        if k > 0 and self._last_k == 0:
-            prev = self.catch_up.get(b)
-            self.catch_up[b] = catch_up_s if prev is None else prev + EMA * (catch_up_s - prev)
+        if k > 0 and self._last_k == 0:  # the first draft after plain steps: what returning to drafts
+            # cost, the prompts of the rows that joined meanwhile included (timed before the forward)
+            prev, x = self.catch_up.get(b), catch_up_s + prompt_catch_up_s
+            self.catch_up[b] = x if prev is None else prev + EMA * (x - prev)
+            self._since_prompt[b] = 0
+        elif k > 0:  # drafting goes on: a new row's prompt, spread over the drafting steps since the last
+            self._since_prompt[b] = gap = self._since_prompt.get(b, 0) + 1
+            if prompt_catch_up_s > 0:
+                prev, w = self.prompt_charge.get(b, 0.0), _per_step_weight(gap)
+                self.prompt_charge[b] = prev + w * (prompt_catch_up_s / gap / batch_size - prev)
+                self._since_prompt[b] = 0
         self._last_k = k
-        if k > 0:  # new requests' prompts, caught up over the steps since this bucket last drafted
-            gap = max(1, self._steps[b] - self._draft_at.get(b, 0))
-            prev, w = self.prompt_charge.get(b, 0.0), _per_step_weight(gap)
-            self.prompt_charge[b] = prev + w * (prompt_catch_up_s / gap / batch_size - prev)
-            self._draft_at[b] = self._steps[b]
         self.hist[k] += 1
         if seconds is not None:
             self._observe_cost(b, k, seconds / batch_size, drafted, accepted)
