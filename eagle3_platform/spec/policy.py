@@ -66,11 +66,11 @@ A k is only left for one predicted to be `SWITCH_MARGIN` faster (no flapping on 
 Drafting after plain steps also pays the head's catch-up: the steps decoded without a draft are
 appended to every row's draft KV before it drafts again (batch.py times it apart from the step, so the
 line and the plain mean compare steady states). It is measured at each first draft after plain steps
-(with the prompts of the rows that joined meanwhile, which that draft appends too) and reported, not
-charged to a size's rate: with the cpu head on 2 cores it was ~10 ms a return at batch 2 and 5-7 ms at batch 1
-(s41/c2trace2.py), ~1.5% of a step, and a charge spread over explore_every steps kept the policy on
-plain decoding after a long plain stretch (whose return carries a long backlog, once) when a draft
-had become 4-5% faster.
+(with the prompts of the rows that joined meanwhile, which that draft appends too) and reported,
+not charged to a size's rate: with the cpu head on 2 cores it was ~10 ms a return at batch 2 and
+5-7 ms at batch 1 (s41/c2trace2.py), ~1.5% of a step, and a charge spread over explore_every steps
+kept the policy on plain decoding after a long plain stretch (whose return carries a long backlog,
+once) when a draft had become 4-5% faster.
 It sets how often re-measures come instead. At batch 8 on 2 cores (demo head, 8 closed-loop clients;
 ~/.cache/eagle3-runs/s52/trace2.py) a re-measure of k = 1 from plain decoding took 54-67 ms against
 a 25 ms plain step, most of it the head catching up on eight rows' plain steps and on the prompts of
