@@ -157,6 +157,49 @@ def test_a_plain_step_is_offered_any_match_from_the_shortest_verified(monkeypatc
     assert d.last_lookup == 4
 
 
+def test_a_plain_step_of_two_rows_verifies_only_long_matches_in_short_chains():
+    """In a pair the verify is padded to the wider row, so only a match of PAIR_STEP_MATCH (3) tokens
+    or more is verified, its chain capped at PAIR_STEP_TOKENS (4); alone, any match, up to 8 tokens."""
+    root = Tree(torch.tensor([7]), torch.tensor([-1]))
+    d = LookupDrafter(head=None, max_tokens=8, max_ngram=4)
+    d.history = [1, 2, 3, 4, 5, 9, 2, 3]  # a 2-token match: verified alone, not in a pair
+    assert d.plain_step(root, rows=2) is root and d.last_lookup == 0
+    assert d.plain_step(root, rows=1).tokens.tolist() == [7, 4, 5]
+    d.history = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4]  # a 4-token match: up to 8 tokens alone
+    assert d.plain_step(root, rows=2).tokens.tolist() == [7, 5, 6, 7, 8] and d.last_lookup == 4
+    assert d.plain_step(root, rows=1).tokens.tolist() == [7, 5, 6, 7, 8, 9, 10, 1, 2]
+
+
+def test_matches_ride_the_plain_steps_of_two_rows_losslessly(target, refs):
+    """Two requests decoded together at draft size 0: while both run, each row's match of 3+ tokens
+    is verified (chains of at most 4, padded to the wider row), without a head forward; the output of
+    both stays target greedy, and the looping target accepts some of it."""
+    cfg = replace(PRESETS["chain"], lookup_tokens=8)
+    engine = SpecEngine(target, random_draft(target, 64), cfg)
+    accepted = widest = 0
+    for p in PROMPTS:
+        batch = engine.batch()
+        reqs = [batch.open(_ids(target, q), MAX_NEW) for q in (p, LONG)]
+        out = {r: batch.prefill(r, None) for r in reqs}
+        for r in reqs:
+            r.drafter.head.propose = _no_head
+        while batch.rows:
+            pair = len(batch.rows) == 2
+            for r, toks in batch.step(max_draft_tokens=0):
+                out[r] += toks
+                if pair:
+                    accepted += r.last_accepted
+                    widest = max(widest, r.drafter.last_lookup)
+            for r in [r for r in batch.rows if r.done]:
+                batch.close(r)
+        assert [out[r] for r in reqs] == [refs[p], refs[LONG]], p
+    assert accepted > 0 and 0 < widest <= lookup_module.PAIR_STEP_TOKENS
+
+
+def _no_head(*_, **__):
+    raise AssertionError("the head drafted on a plain step")
+
+
 def _plain_steps_alone(engine, ids):
     """One request decoded at draft size 0 throughout -> (tokens, lookup tokens accepted, largest
     lookup branch verified); the head must not draft."""

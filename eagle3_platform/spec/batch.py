@@ -24,6 +24,7 @@ from eagle3_platform.compute import threads
 from eagle3_platform.draft.metrics import acceptance_length
 from eagle3_platform.kv_cache import GrowingCache
 from eagle3_platform.spec.drafter import propose_all
+from eagle3_platform.spec.lookup import PLAIN_LOOKUP_ROWS
 from eagle3_platform.spec.ragged import RaggedCache
 from eagle3_platform.spec.sampling import greedy, target_probs, verify_greedy, verify_sampling
 from eagle3_platform.spec.stops import Finisher
@@ -150,7 +151,7 @@ class Batch:
              prompts: Sequence[tuple[Request, int]] = ()) -> list[tuple[Request, list[int]]]:
         """One verify step over every running row -> (request, tokens it may emit now) per row.
         max_draft_tokens caps each row's draft (0 = plain decoding this step, but for the
-        prompt-lookup match of a row alone; None = the config).
+        prompt-lookup matches of one or two rows, lookup.py; None = the config).
         prompts: (request, up to n tokens) chunks of waiting prompts, run in the same target forward
         (as prefill() would, but sharing the step's weight reads); a prompt done here joins the batch
         after the step and comes back too, with its first token (as from prefill). If that forward
@@ -241,10 +242,12 @@ class Batch:
                                    max_draft_tokens)
         for b, tree in zip(drafting, proposed):
             trees[b] = tree
-        if max_draft_tokens == 0 and len(rows) == 1 and hasattr(rows[0].drafter, "plain_step"):
-            # a plain step alone still verifies its prompt-lookup match (lookup.py): no head forward,
-            # and at batch 1 the wider verify is cheap; in a batch it would widen every row's
-            trees[0] = rows[0].drafter.plain_step(trees[0])
+        if max_draft_tokens == 0 and len(rows) <= PLAIN_LOOKUP_ROWS:
+            # a plain step of one or two rows still verifies their prompt-lookup matches (lookup.py): no
+            # head forward, and there the wider verify is cheap; in a larger batch it would widen every row's
+            for b, r in enumerate(rows):
+                if hasattr(r.drafter, "plain_step"):
+                    trees[b] = r.drafter.plain_step(trees[b], len(rows))
         return trees
 
     def _accept(self, tree: Tree, logits: torch.Tensor, r: Request) -> tuple[list[int], int]:

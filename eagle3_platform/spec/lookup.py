@@ -25,6 +25,13 @@ size 0, 18 Locust prompts, 64 tokens, decode only (s48/ride_ab.py): 1.20x plain 
 of 3+ tokens (session 47's rule), 1.26x with 2+, 1.30x with any (tau 1.26 / 1.35 / 1.43); policy servers
 at c = 1, any match vs 3+: 1.02x, 1.01x, 1.00x, 1.00x (s48/ab1). The policy credits what they accept
 to plain decoding (policy.py).
+At batch 2 a plain step verifies only matches of 3+ tokens, chains of at most 4: the verify is padded
+to the wider row, and 2 rows of 5 tokens leave the int4 kernel (a step 1.55x a plain one), so only
+matches whose copy is mostly right pay (on the report's prompts: a row proposes in 13% of its steps,
+1.98 tokens accepted each; ~/.cache/eagle3-runs/s53/lookupsim.py). The server's worker in process at
+c = 2, 7 rounds of 20 s rotated (s53/lookupb2.py): 1.030x the baseline engine against 0.945x without
+it (6 of 7 rounds ahead). From 4 rows up every extra verified token costs more than it brings
+(s53/qcostB.py, partcost2.py: at batch 8 a 9th row leaves the int4 kernel, +41% a step).
 
 This is the embedded engine's addition (SGLang's EAGLE-3 worker has no lookup branch; its NGRAM
 algorithm is a separate drafter), so reports name it apart from the head's own acceptance.
@@ -37,6 +44,8 @@ from eagle3_platform.spec.tree import Tree
 
 
 PLAIN_STEP_MATCH = 1  # the shortest match a plain step verifies (session 47: 3; any is better at batch 1)
+PAIR_STEP_MATCH, PAIR_STEP_TOKENS = 3, 4  # ... of two rows, and the longest chain it verifies there
+PLAIN_LOOKUP_ROWS = 2  # plain steps of at most this many rows verify lookup matches
 
 
 def lookup(history: list[int], max_tokens: int, max_ngram: int) -> list[int]:
@@ -101,11 +110,14 @@ class LookupDrafter:
     def propose(self, root: int, max_tokens: int | None = None) -> Tree:
         return self.extend(self.head.propose(root, max_tokens), max_tokens)
 
-    def plain_step(self, tree: Tree) -> Tree:
-        """tree (a plain step's root) + the lookup branch where the match is PLAIN_STEP_MATCH tokens or
-        more, else tree: the copy the head's drafts are not needed for."""
-        chain, n = lookup_match(self.history, self.max_tokens, self.max_ngram)
-        return self._branch(tree, chain if n >= PLAIN_STEP_MATCH else [])
+    def plain_step(self, tree: Tree, rows: int = 1) -> Tree:
+        """tree (a plain step's root) + the lookup branch where the match is long enough for a step of
+        `rows` rows (PLAIN_STEP_MATCH alone, PAIR_STEP_MATCH in a pair, whose chain is capped at
+        PAIR_STEP_TOKENS), else tree: the copy the head's drafts are not needed for."""
+        alone = rows == 1
+        cap = self.max_tokens if alone else min(self.max_tokens, PAIR_STEP_TOKENS)
+        chain, n = lookup_match(self.history, cap, self.max_ngram)
+        return self._branch(tree, chain if n >= (PLAIN_STEP_MATCH if alone else PAIR_STEP_MATCH) else [])
 
     def extend(self, tree: Tree, max_tokens: int | None = None) -> Tree:
         """The head's tree + the lookup branch. A server's per-step draft size max_tokens caps each

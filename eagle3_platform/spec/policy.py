@@ -37,11 +37,11 @@ its catch-up, a verify of twice the tokens): a line through all the steps put pl
 cost, and since each further depth paid on that line, the walk down one size at a time could stall
 at 1-4. At batch 8 on 2 cores (Locust, c = 8, 60 s) the policy spent 203 of 370 steps at
 k = 1 before it reached 0, which its final line put 13% faster.
-A plain step of a row alone still verifies the row's prompt-lookup match (lookup.py, batch.py): no
+A plain step of one or two rows still verifies their prompt-lookup matches (lookup.py, batch.py): no
 head forward, so it is timed as plain decoding, off the line, and the lookup tokens it accepted are
-credited to k = 0: rate(0) = (1 + a0) / c0, a0 a running mean per plain step. Drafts are rated with the
-tokens their own lookup branch adds; before, plain steps with a match were not timed and k = 0 was worth
-one token, which favoured drafting wherever the request's text repeats. Since a0 moves with the text,
+credited to k = 0: rate(0) = (1 + a0) / c0, a0 a running mean per plain step and row. Drafts are
+rated with the tokens their own lookup branch adds; before, plain steps with a match were not timed
+and k = 0 was worth one token, which favoured drafting wherever the request's text repeats. Since a0 moves with the text,
 in such a bucket every third re-measure is of plain decoding, whatever size is chosen: from k = 4 the
 walk to it through 3, 2, 1 would not happen (the test's weak head without it: 23-100% of the last
 200 steps still drafting in 3 of 6 seeds, against 0.5-7.5% with it).
@@ -251,7 +251,7 @@ class DraftSizePolicy:
         cost = {k: c + (charge if k else 0.0) for k, c in cost.items()}
         if plain_cost is not None:  # measured, so always a candidate: no walk down to it
             cost[0] = plain_cost
-        a0 = self.plain_accepted.get(b, 0.0)  # what a plain step's lookup match added (a row alone)
+        a0 = self.plain_accepted.get(b, 0.0)  # what a plain step's lookup matches added (1-2 rows)
         return {k: (1 + (self.accepted(k) if k else a0)) / c for k, c in sorted(cost.items())}
 
     def best(self, batch_size: int, lines: dict | None = None, plain: dict | None = None) -> int:
