@@ -29,9 +29,10 @@ At batch 2 a plain step verifies only matches of 3+ tokens, chains of at most 4:
 to the wider row, and 2 rows of 5 tokens leave the int4 kernel (a step 1.55x a plain one), so only
 matches whose copy is mostly right pay (on the report's prompts: a row proposes in 13% of its steps,
 1.98 tokens accepted each; ~/.cache/eagle3-runs/s53/lookupsim.py). The server's worker in process at
-c = 2, 7 rounds of 20 s rotated (s53/lookupb2.py): 1.030x the baseline engine against 0.945x without
-it (6 of 7 rounds ahead). From 4 rows up every extra verified token costs more than it brings
-(s53/qcostB.py, partcost2.py: at batch 8 a 9th row leaves the int4 kernel, +41% a step).
+c = 2, modes rotated in 20 s rounds (s53/lookupb2.py, lookupb3.py): 1.002x, 1.030x, 1.016x the
+baseline engine against 0.977x, 0.945x, 0.979x without (12 of 16 rounds ahead). From 4 rows up an
+extra verified token costs more than it brings (s53/qcostB.py, partcost2.py: at batch 8 a 9th row
+leaves the int4 kernel, +41% a step).
 
 This is the embedded engine's addition (SGLang's EAGLE-3 worker has no lookup branch; its NGRAM
 algorithm is a separate drafter), so reports name it apart from the head's own acceptance.
