@@ -41,10 +41,10 @@ A plain step of one or two rows still verifies their prompt-lookup matches (look
 head forward, so it is timed as plain decoding, off the line, and the lookup tokens it accepted are
 credited to k = 0: rate(0) = (1 + a0) / c0, a0 a running mean per plain step and row. Drafts are
 rated with the tokens their own lookup branch adds; before, plain steps with a match were not timed
-and k = 0 was worth one token, which favoured drafting wherever the request's text repeats. Since a0 moves with the text,
-in such a bucket every third re-measure is of plain decoding, whatever size is chosen: from k = 4 the
-walk to it through 3, 2, 1 would not happen (the test's weak head without it: 23-100% of the last
-200 steps still drafting in 3 of 6 seeds, against 0.5-7.5% with it).
+and k = 0 was worth one token, which favoured drafting wherever the request's text repeats. Since a0
+moves with the text, in such a bucket every third re-measure is of plain decoding, whatever size is
+chosen: from k = 4 the walk to it through 3, 2, 1 would not happen (the test's weak head without it:
+23-100% of the last 200 steps still drafting in 3 of 6 seeds, against 0.5-7.5% with it).
 Plain decoding's mean forgets per step of its bucket, as the line does, not per plain step: a plain
 step that comes after g steps of drafting weighs 1 - (1 - EMA)^g. Where drafting is the choice, plain
 steps are re-measures up to MAX_EXPLORE_GAP steps apart, and this box's speed drifts up to 2x within
