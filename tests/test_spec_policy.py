@@ -385,3 +385,26 @@ def test_a_return_to_drafting_after_a_plain_stretch_does_not_dilute_the_prompt_c
     run(1, 15, 266)
     assert abs(p.prompt_charge[B] - steady) < 0.05 * steady
     assert abs(p.catch_up[B] - (0.004 + B * prompt_s)) < 1e-9  # the return's backlog, its prompts included
+
+
+@pytest.mark.parametrize("seed", [1, 3, 6])
+def test_one_stalled_plain_step_does_not_send_the_policy_to_drafts(seed):
+    """Batch 8, plain decoding settled (a 1-token draft costs 1.45x a plain step for ~1.3x its
+    tokens); then one plain step stalls at 10x (a server saw 264 ms against ~27). It counts as a slow
+    plain step, not as ten: without the clip plain's mean doubled and the policy drafted in 57-82 of
+    the next 149 steps, measuring no plain step meanwhile."""
+    p, rng, chosen = DraftSizePolicy(k_max=4), random.Random(seed), []
+    for i in range(300):
+        k = p.choose(8)
+        drafted = [next((d for d in range(k) if rng.random() >= 0.6), k) for _ in range(8)]
+        accepted = [next((d for d in range(m) if rng.random() >= 0.5), m) for m in drafted]
+        m = max(drafted)
+        cost = 0.026 * ((1.45 + 0.15 * (m - 1)) if m else 1.0) * rng.uniform(0.93, 1.07)
+        if i == 150:
+            assert k == 0
+            cost *= 10
+        p.observe(8, k, cost, accepted, drafted)
+        chosen.append(k)
+    assert chosen[100:150].count(0) >= 45
+    assert chosen[151:].count(0) >= 135
+    assert p.info()["plain_step_ms_by_batch"]["8"] < 3.6  # 26 ms / 8 sequences, ±7%

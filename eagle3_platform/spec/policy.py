@@ -52,6 +52,13 @@ minutes (the same 24 requests through the baseline worker: 53 s, then 90 s; s31/
 step's cost from one request's context length to the next. A plain mean that moved 10% per plain step
 kept a cost measured in a slow minute for thousands of steps: with the machine 3x slower for its first
 80 steps and plain decoding 16% faster per token, 7 of 10 seeded runs stayed on drafts (the test).
+A plain step counts at most PLAIN_STALL times that mean, on the line too: a single stalled step
+(seen in 2 of 8 cold cells at batch 8: 264 ms against ~27, cause not found: no realloc, no GC in
+it) took the mean from 3.3 to 6.3 ms a sequence, the policy went to drafts at ~2x a plain step's
+cost for ~1.4x its tokens, and, measuring no plain step while drafting, stayed there ~110 steps
+(that cell 133 tok/s, the others 152-180; ~/.cache/eagle3-runs/s54/episodes.py). Clipped, a real
+slowdown is still followed, at up to 5% a plain step. A stalled draft step is not clipped: it can
+only push the choice toward plain decoding, and a re-measure brings it back.
 Exploration: a bucket seen for the first time starts from the best k of the nearest measured bucket
 (k_max on the very first step), then, while the drafts' depth has not varied there, a neighbouring
 size, which gives the line a second point; a size is only chosen within one of the sizes measured in
@@ -107,6 +114,7 @@ SWITCH_MARGIN = 0.02  # leave the current k only for a predicted gain above 2%
 MAX_EXPLORE_GAP = 256  # steps of a bucket between re-measures once its choice has held for a while
 CLOSE_RATE = 0.1  # a neighbour predicted within 10% of the best is re-measured at the base rate
 EXPLORE_BUDGET = 0.03  # re-measures may cost at most this share of a bucket's time (catch-up included)
+PLAIN_STALL = 1.5  # a plain step is counted at most this times plain decoding's running cost
 
 
 class CostLine:
@@ -321,6 +329,8 @@ class DraftSizePolicy:
         lo, hi = self.caps.get(b, (k, k))
         self.caps[b] = (min(lo, k), max(hi, k))
         m = max(drafted, default=0)
+        if k == 0 and b in self.plain:  # one stalled plain step counts as a slow one, no more
+            y = min(y, PLAIN_STALL * self.plain[b])
         if k > 0 or m == 0:  # a plain step that verified a lookup match ran no head: off the line
             self.lines.setdefault(b, CostLine()).add(m, y)
         if k == 0:  # the mean forgets per step of the bucket, as the line does, not per plain step
