@@ -311,6 +311,34 @@ def test_fp32_batch_cache_under_a_bf16_model(tiny_target_dir):
     torch.testing.assert_close(logits[torch.float32].float(), logits[None].float(), atol=0.05, rtol=0.02)
 
 
+def test_the_last_row_out_frees_the_buffers_sized_for_the_longest_prompt(target):  # noqa: F811
+    """A long prompt's row grows the buffers; once every row has left they are freed, so the next
+    short request gets buffers sized for itself (attention reads them whole: attention.py) and its
+    decode still equals its forward alone (fp32, tolerance: other matmul shapes)."""
+    from eagle3_platform.kv_cache import slot_capacity
+
+    model, g = target.model, torch.Generator().manual_seed(0)
+    ragged = RaggedCache()
+    for n in (40, 6):
+        c = GrowingCache()
+        model(input_ids=torch.randint(3, 60, (1, n), generator=g), past_key_values=c, use_cache=True)
+        ragged.add_row(c, n)
+    assert ragged.keys[0].shape[2] >= 40
+    ragged.drop_row(0)
+    assert ragged.keys[0].shape[2] >= 40  # a row still runs: the buffers stay
+    ragged.drop_row(0)
+    assert ragged.rows == 0 and ragged.keys == [] and ragged.values == []
+    ids, alone = torch.randint(3, 60, (1, 5), generator=g), GrowingCache()
+    model(input_ids=ids, past_key_values=alone, use_cache=True)
+    ragged.add_row(alone, 5)
+    assert ragged.keys[0].shape[:3] == (1, alone.layers[0].keys.shape[1], slot_capacity(5))
+    nxt = torch.randint(3, 60, (1, 1), generator=g)
+    ragged.begin(1)
+    got = model(input_ids=nxt, position_ids=ragged.lengths[:, None].clone(), past_key_values=ragged,
+                use_cache=True).logits
+    want = model(input_ids=nxt, position_ids=torch.tensor([[5]]), past_key_values=alone, use_cache=True).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
 def test_row_groups_split_where_a_span_would_waste_more_than_a_call():
     """Contiguous groups minimising attended (row, slot) pairs + a cost per group."""
     assert row_groups([1000, 100, 90, 80], 1, overhead=100) == [(0, 1, 1001), (1, 4, 101)]
