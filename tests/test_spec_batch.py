@@ -339,6 +339,7 @@ def test_the_last_row_out_frees_the_buffers_sized_for_the_longest_prompt(target)
     want = model(input_ids=nxt, position_ids=torch.tensor([[5]]), past_key_values=alone, use_cache=True).logits
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
+
 def test_row_groups_split_where_a_span_would_waste_more_than_a_call():
     """Contiguous groups minimising attended (row, slot) pairs + a cost per group."""
     assert row_groups([1000, 100, 90, 80], 1, overhead=100) == [(0, 1, 1001), (1, 4, 101)]

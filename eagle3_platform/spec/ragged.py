@@ -145,10 +145,10 @@ class RaggedCache(Cache):
 
     def drop_row(self, row: int) -> None:
         """Free `row`: the rows after it move up one (row b+1 becomes row b). The last row out frees
-        the buffers: sized for the longest prompt since they were made, they would keep every later
-        request's attention on views too narrow to read whole (attention.py: a copy per layer), and
-        the memory held (a server at c = 1, the demo head: 8.8 ms a token with a fresh cache per
-        request, 9.6 with one that had held a 1,500-token prompt; ~/.cache/eagle3-runs/s54/c1live.py)."""
+        the buffers. They are as wide as the longest prompt since they were made; kept, they hold that
+        memory and leave every later short request's attention on views too narrow to read whole
+        (attention.py: a copy per layer). A server at c = 1 with the demo head: 9.6 ms a token after
+        a 1,500-token prompt, 8.8 with a fresh cache per request (~/.cache/eagle3-runs/s54/c1live.py)."""
         for src in range(row + 1, self.rows):
             self._move(src, src - 1)
         self.lengths = torch.cat([self.lengths[:row], self.lengths[row + 1:]])
