@@ -92,24 +92,24 @@ def grouped_attention(query, key, value, mask=None, scaling=None, row_groups=Non
     r = H // key.shape[1]
     scale = d ** -0.5 if scaling is None else scaling
     groups = row_groups if row_groups and len(row_groups) > 1 else [(0, B, key.shape[-2])]
-    parts = [(a, b, *_whole_rows(key[a:b, :, :span], value[a:b, :, :span])) for a, b, span in groups]
-    width = max(k.shape[-2] for _, _, k, _ in parts)
+    parts = [(a, b, span, *_whole_rows(key[a:b, :, :span], value[a:b, :, :span])) for a, b, span in groups]
+    width = max(k.shape[-2] for *_, k, _ in parts)
     if mask is None and width > key.shape[-2]:  # every slot visible, but a whole buffer's spare ones
         mask = _all_visible(q, key.shape[-2])
     bias = None if mask is None else _grouped_bias(mask, r, width)  # [B|1,1,r*q,width]
     if len(parts) == 1:
-        return _attend_group(query, parts[0][2], parts[0][3], _rows_bias(bias, 0, B, parts[0][2]), scale,
-                             fp32_pairs)
+        _, _, span, k, v = parts[0]
+        return _attend_group(query, k, v, _rows_bias(bias, 0, B, k), scale, q * B * span <= fp32_pairs)
     out = query.new_empty(B, H, q, d)
-    for a, b, k, v in parts:  # rows a..b-1 over their span (or their whole buffers)
-        out[a:b] = _attend_group(query[a:b], k, v, _rows_bias(bias, a, b, k), scale, fp32_pairs)
+    for a, b, span, k, v in parts:  # rows a..b-1 over their span (or their whole buffers)
+        out[a:b] = _attend_group(query[a:b], k, v, _rows_bias(bias, a, b, k), scale, q * (b - a) * span <= fp32_pairs)
     return out
 
 
-def _attend_group(query, key, value, bias, scale: float, fp32_pairs: int):
-    """_attend, in fp32 where the group is small enough over a bf16 cache (fp32_pairs)."""
-    B, _, q, _ = query.shape
-    if key.dtype == torch.bfloat16 and B * q * key.shape[-2] <= fp32_pairs:
+def _attend_group(query, key, value, bias, scale: float, small: bool):
+    """_attend; in fp32 over a bf16 cache where the group is `small` (by its span, not the width of a
+    whole buffer it may read: a cache's layout must not change its arithmetic)."""
+    if small and key.dtype == torch.bfloat16:
         return _attend(query.float(), key.float(), value.float(), bias, scale).to(query.dtype)
     return _attend(query, key, value, bias, scale)
 

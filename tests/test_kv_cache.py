@@ -210,6 +210,24 @@ def test_small_row_groups_over_a_bf16_cache_attend_in_fp32(q_len):
         torch.testing.assert_close(got[:1].double(), ref[:1], **tight)
 
 
+def test_the_fp32_choice_goes_by_the_span_not_the_buffer_a_view_is_widened_to():
+    """A cache view is attended over its whole buffer when that is at most 1.5x its span (no copy);
+    whether it runs in fp32 must not depend on that layout: the same keys as a view and contiguous
+    give the same fp32 result when the span is within fp32_pairs and the buffer is not."""
+    from eagle3_platform.attention import cache_buffer, grouped_attention
+
+    torch.manual_seed(0)
+    H, kv, S, d, bf = 6, 2, 40, 16, torch.bfloat16
+    like = torch.empty(0, dtype=bf)
+    k_buf, v_buf = cache_buffer(like, (1, kv, 50, d)), cache_buffer(like, (1, kv, 50, d))  # 1.25x the span
+    k_buf[:, :, :S], v_buf[:, :, :S] = torch.randn(1, kv, S, d), torch.randn(1, kv, S, d)
+    k, v = k_buf[:, :, :S], v_buf[:, :, :S]
+    q = (4 * torch.randn(1, H, 1, d)).to(bf)
+    viewed = grouped_attention(q, k, v, fp32_pairs=S)
+    whole = grouped_attention(q, k.contiguous(), v.contiguous(), fp32_pairs=S)
+    torch.testing.assert_close(viewed.float(), whole.float(), atol=1e-5, rtol=2 ** -8)
+
+
 def test_sdpa_fallback_takes_an_fp32_cache_under_a_bf16_query():
     """A maskless multi-token query (a prefill) goes to sdpa, which needs one dtype."""
     from eagle3_platform.attention import grouped_decode_attention
