@@ -26,14 +26,6 @@ query's. Its two matmuls per layer are small and dense, and on a CPU without fas
 run 2-4x slower in bf16 than in fp32 (Intel avx512_bf16 without AMX, one [1,3,3,64] x [1,3,64,300]
 product: 33 vs 15 µs; ~/.cache/eagle3-runs/s22/bmm.py). bf16 values are exact in fp32, so this only
 drops the rounding of the softmax weights.
-
-Over a bf16 cache, a small group's attention runs in fp32 too: a bf16 matmul carries a fixed cost an
-fp32 one does not, so below some size converting the group's keys and values and multiplying in fp32
-is the faster way (AMD EPYC with avx512_bf16, 2 threads, one row, 1 query token over 100 / 200 / 400
-slots, one layer: 74 / 78 / 90 µs in bf16, 49 / 61 / 81 µs converted; at 800 even;
-~/.cache/eagle3-runs/s55/attn_micro2.py). Where the crossover lies is the machine's
-(compute.attention_fp32_pairs, probed once); load_target hands it to the model's attention modules
-(`fp32_pairs`), and a group whose rows x query tokens x slots are at most that many runs in fp32.
 """
 from __future__ import annotations
 
@@ -73,45 +65,33 @@ def grouped_decode_attention(module, query, key, value, attention_mask, scaling=
         key, value = key.to(query.dtype), value.to(query.dtype)  # sdpa takes one dtype (mostly a no-op)
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
-    return grouped_attention(query, key, value, attention_mask, scaling, row_groups,
-                             getattr(module, "fp32_pairs", 0)).transpose(1, 2), None
+    return grouped_attention(query, key, value, attention_mask, scaling, row_groups).transpose(1, 2), None
 
 
-def grouped_attention(query, key, value, mask=None, scaling=None, row_groups=None, fp32_pairs: int = 0):
+def grouped_attention(query, key, value, mask=None, scaling=None, row_groups=None):
     """query [B,H,q,d], key/value [B,kv,S,d], mask bool (True = attend) or additive [B|1,1,q,S'] with
     S' >= S, or None (every query sees every key) -> out [B,H,q,d]. Head h reads key/value head
     h // (H/kv), as repeat_kv does, without copying the cache. Softmax in fp32; the matmuls in the
     cache's dtype, the result in the query's.
     row_groups: [(start, stop, span)] covering rows 0..B-1; rows start..stop-1 attend over slots
-    [0, span) only (the mask must hide everything of theirs beyond it).
-    fp32_pairs: a group over a bf16 cache whose rows x q x slots are at most this many runs in fp32
-    (its keys and values converted, exactly); 0 = never."""
+    [0, span) only (the mask must hide everything of theirs beyond it)."""
     if query.dtype != key.dtype:  # an fp32 cache under a bf16 model
         return grouped_attention(query.to(key.dtype), key, value, mask, scaling, row_groups).to(query.dtype)
     B, H, q, d = query.shape
     r = H // key.shape[1]
     scale = d ** -0.5 if scaling is None else scaling
     groups = row_groups if row_groups and len(row_groups) > 1 else [(0, B, key.shape[-2])]
-    parts = [(a, b, span, *_whole_rows(key[a:b, :, :span], value[a:b, :, :span])) for a, b, span in groups]
-    width = max(k.shape[-2] for *_, k, _ in parts)
+    parts = [(a, b, *_whole_rows(key[a:b, :, :span], value[a:b, :, :span])) for a, b, span in groups]
+    width = max(k.shape[-2] for _, _, k, _ in parts)
     if mask is None and width > key.shape[-2]:  # every slot visible, but a whole buffer's spare ones
         mask = _all_visible(q, key.shape[-2])
     bias = None if mask is None else _grouped_bias(mask, r, width)  # [B|1,1,r*q,width]
     if len(parts) == 1:
-        _, _, span, k, v = parts[0]
-        return _attend_group(query, k, v, _rows_bias(bias, 0, B, k), scale, q * B * span <= fp32_pairs)
+        return _attend(query, parts[0][2], parts[0][3], _rows_bias(bias, 0, B, parts[0][2]), scale)
     out = query.new_empty(B, H, q, d)
-    for a, b, span, k, v in parts:  # rows a..b-1 over their span (or their whole buffers)
-        out[a:b] = _attend_group(query[a:b], k, v, _rows_bias(bias, a, b, k), scale, q * (b - a) * span <= fp32_pairs)
+    for a, b, k, v in parts:  # rows a..b-1 over their span (or their whole buffers)
+        out[a:b] = _attend(query[a:b], k, v, _rows_bias(bias, a, b, k), scale)
     return out
-
-
-def _attend_group(query, key, value, bias, scale: float, small: bool):
-    """_attend; in fp32 over a bf16 cache where the group is `small` (by its span, not the width of a
-    whole buffer it may read: a cache's layout must not change its arithmetic)."""
-    if small and key.dtype == torch.bfloat16:
-        return _attend(query.float(), key.float(), value.float(), bias, scale).to(query.dtype)
-    return _attend(query, key, value, bias, scale)
 
 
 def _rows_bias(bias, a: int, b: int, key) -> torch.Tensor | None:
@@ -209,9 +189,6 @@ AttentionInterface.register(GROUPED_DECODE, grouped_decode_attention)
 AttentionMaskInterface.register(GROUPED_DECODE, sdpa_mask)
 
 
-def use_grouped_decode(model, fp32_pairs: int = 0) -> None:
-    """Switch a transformers model to this attention (CPU; GPUs keep their fused kernels); its
-    attention modules carry fp32_pairs (grouped_attention)."""
+def use_grouped_decode(model) -> None:
+    """Switch a transformers model to this attention (CPU; GPUs keep their fused kernels)."""
     model.set_attn_implementation(GROUPED_DECODE)
-    for layer in getattr(getattr(model, "model", None), "layers", ()):
-        layer.self_attn.fp32_pairs = fp32_pairs

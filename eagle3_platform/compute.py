@@ -29,11 +29,6 @@ bf16); where it runs in bf16, at a quarter of bf16's bytes (1.4x faster at one r
 with AMX, session 34; bf16's own kernels win from 5 rows there). Under `auto` a third probe, per
 decode dtype, finds below how many rows that wins (int4_matmul_rows); those matmuls round like bf16
 ones, which bench_decode's token agreement reports. Explicit dtypes keep their arithmetic.
-
-Attention over a bf16 KV cache has a crossover of its own: at batch 1 its matmuls are tiny, and a
-bf16 matmul's fixed cost exceeds fp32's, so a small group's attention is faster converted to fp32
-(attention.py). A fourth probe, under `auto` where the cache is bf16, finds up to how many cached
-slots that holds for one row and one query token (attention_fp32_pairs).
 """
 from __future__ import annotations
 
@@ -69,9 +64,6 @@ ROWMAJOR_PROBE_ROWS = (1, 2, 3, 4, 6, 8)
 # 2.7x faster than fp32 at 1 row, 3.1x at 4, 2.2x at 8, 0.54x at 256; this probe answers 17 there.
 INT4_PROBE_ROWS = (4, 8, 12, 16, 24, 32)
 INT4_PROBE_COPIES = 6  # of the MLP's two weights: with hot weights fp32 looks 1.5-2x better than in a model
-# Cached slots the attention probe tries (one row, one query token). AMD EPYC with avx512_bf16, 2
-# threads (~/.cache/eagle3-runs/s55/attn_micro2.py): converted to fp32 faster up to ~600 slots.
-ATTENTION_PROBE_SLOTS = (64, 128, 256, 512, 1024, 2048)
 
 
 @functools.lru_cache(maxsize=1)
@@ -167,16 +159,6 @@ def int4_matmul_rows(name: str, device: str = "cpu") -> int:
     return int4_probe_rows(resolve_dtype(name, device))
 
 
-def attention_fp32_pairs(name: str, device: str = "cpu") -> int:
-    """(query token, slot) pairs up to which a row group's attention over a bf16 KV cache runs in
-    fp32 (attention.grouped_attention's fp32_pairs); 0 = never. Under `auto` on CPU where the batch
-    cache is bf16 (kv_cache_dtype), from the machine's probe (attention_probe_slots). Explicit dtypes
-    keep their arithmetic."""
-    if name != "auto" or not device.startswith("cpu") or kv_cache_dtype(name, device) != "bfloat16":
-        return 0
-    return attention_probe_slots()
-
-
 def torch_dtype(name: str, device: str = "cpu", work: str = "decode") -> torch.dtype:
     return getattr(torch, resolve_dtype(name, device, work))
 
@@ -208,14 +190,6 @@ def int4_probe_rows(dtype: str = "float32") -> int:
     this CPU (0 = never): read from the machine's probe file, or measured once (~1 s) and written."""
     key = "int4_rows" if dtype == "float32" else f"int4_rows_{dtype}"  # fp32's name predates the others
     return int(_probed(key, lambda: _measure_int4_rows(getattr(torch, dtype))))
-
-
-@functools.lru_cache(maxsize=1)
-def attention_probe_slots() -> int:
-    """The most cached slots (of ATTENTION_PROBE_SLOTS, in order) over which one row's one-token
-    attention runs faster converted to fp32 than in bf16 on this CPU (0 = never): read from the
-    machine's probe file, or measured once (~0.3 s) and written there."""
-    return int(_probed("attention_fp32_slots", _measure_attention_fp32_slots))
 
 
 def _probed(name: str, measure):
@@ -330,29 +304,6 @@ def _measure_int4_rows(dtype: torch.dtype = torch.float32, reps: int = 5) -> int
             break
         won = rows
     return won + 1 if won else 0
-
-
-@torch.inference_mode()
-def _measure_attention_fp32_slots(reps: int = 5) -> int:
-    """The most slots (of ATTENTION_PROBE_SLOTS, in order) at which SmolLM2's decode attention (9 query
-    heads over 3 key/value heads of 64; 30 layers' keys and values, so they leave the caches as a
-    step's do) runs faster converted to fp32 than in bf16, best of `reps` interleaved; 0 where bf16
-    wins at the first."""
-    from eagle3_platform.attention import grouped_attention
-
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 9, 1, 64, generator=gen).bfloat16()
-    won = 0
-    for slots in ATTENTION_PROBE_SLOTS:
-        layers = [torch.randn(2, 1, 3, slots, 64, generator=gen).bfloat16() for _ in range(30)]
-        best = _best_times({
-            "bf16": lambda: [grouped_attention(q, k, v) for k, v in layers],
-            "fp32": lambda: [grouped_attention(q, k, v, fp32_pairs=slots) for k, v in layers],
-        }, reps)
-        if best["fp32"] >= best["bf16"]:
-            break
-        won = slots
-    return won
 
 
 def resolve_threads(threads: int) -> int:

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from eagle3_platform.compute import (attention_fp32_pairs, int4_matmul_rows, kv_cache_dtype, narrow_matmul_rows,
-                                     resolve_dtype, wide_matmul_rows)
+from eagle3_platform.compute import (int4_matmul_rows, kv_cache_dtype, narrow_matmul_rows, resolve_dtype,
+                                     wide_matmul_rows)
 from eagle3_platform.paths import cache_root  # noqa: F401  (re-exported: callers use target.cache_root)
 from eagle3_platform.records import sha256_file
 
@@ -105,9 +105,7 @@ def load_target(path: str | Path, dtype: str = "float32", device: str = "cpu", p
     from how many rows a bf16 matmul runs on fp32 weights (compute.wide_matmul_rows; 0 = never),
     meta['rowmajor_rows'] below how many rows a matmul runs on the row-major weights
     (compute.narrow_matmul_rows; 0 = never), meta['int4_rows'] below how many on the 4-bit codes of
-    the meta['int4_linears'] weights that lie on such a grid (compute.int4_matmul_rows; 0 = never),
-    and meta['attention_fp32_pairs'] up to how many (query token, slot) pairs a row group's attention
-    over a bf16 cache runs in fp32 (compute.attention_fp32_pairs; 0 = never)."""
+    the meta['int4_linears'] weights that lie on such a grid (compute.int4_matmul_rows; 0 = never)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     setting, dtype = dtype, resolve_dtype(dtype, device)
@@ -119,12 +117,11 @@ def load_target(path: str | Path, dtype: str = "float32", device: str = "cpu", p
     # so one decoding in bf16 on its codes loads in fp32 and is cast once its linears are packed
     load_dtype = torch.float32 if int4 else getattr(torch, dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=load_dtype).to(device).eval()
-    packed, wide, narrow, int4_linears, fp32_pairs = 0, 0, 0, 0, 0
+    packed, wide, narrow, int4_linears = 0, 0, 0, 0
     if device == "cpu":
         from eagle3_platform.attention import use_grouped_decode
         from eagle3_platform.packed_linear import int4_weight_count, pack_linears
-        fp32_pairs = attention_fp32_pairs(setting, device)
-        use_grouped_decode(model, fp32_pairs)
+        use_grouped_decode(model)
         if pack:
             wide, narrow = wide_matmul_rows(setting, device), narrow_matmul_rows(setting, device)
             packed = pack_linears(model, wide, narrow, int4, getattr(torch, dtype))
@@ -138,7 +135,7 @@ def load_target(path: str | Path, dtype: str = "float32", device: str = "cpu", p
     return Target(model=model, tokenizer=tok,
                   meta={**read_meta(path), "dtype": dtype, "kv_cache_dtype": kv_cache_dtype(setting, device),
                         "packed_linears": packed, "wide_fp32_rows": wide, "rowmajor_rows": narrow,
-                        "int4_rows": int4, "int4_linears": int4_linears, "attention_fp32_pairs": fp32_pairs})
+                        "int4_rows": int4, "int4_linears": int4_linears})
 
 
 def _cast_parameters(model, dtype: torch.dtype) -> None:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import pytest
 import torch
@@ -165,26 +164,6 @@ def test_rowmajor_probe_answers_a_probed_row_count():
     assert compute._measure_rowmajor_rows(torch.float32, reps=1) in {0, *compute.ROWMAJOR_PROBE_ROWS[1:]}
 
 
-def test_small_attention_runs_in_fp32_only_under_auto_over_a_bf16_cache(cpu_with, monkeypatch):
-    """attention_fp32_pairs is the probe's answer where `auto` keeps a bf16 cache; 0 (and no probe)
-    for explicit dtypes, an fp32 cache (slow bf16 matmuls, or no native bf16) and CUDA."""
-    probed = []
-    monkeypatch.setattr(compute, "attention_probe_slots", lambda: probed.append(1) or 256)
-    cpu_with("avx512_bf16")
-    monkeypatch.setattr(compute, "dense_bf16_speedup", lambda: 2.0)  # bf16 cache
-    assert compute.attention_fp32_pairs("auto") == 256 and probed == [1]
-    assert compute.attention_fp32_pairs("bfloat16") == compute.attention_fp32_pairs("float32") == 0
-    assert compute.attention_fp32_pairs("auto", "cuda") == 0
-    monkeypatch.setattr(compute, "dense_bf16_speedup", lambda: 0.5)  # fp32 cache: attention is fp32 anyway
-    assert compute.attention_fp32_pairs("auto") == 0
-    cpu_with("avx512f")
-    assert compute.attention_fp32_pairs("auto") == 0 and probed == [1]
-
-
-def test_attention_probe_answers_a_probed_slot_count():
-    assert compute._measure_attention_fp32_slots(reps=1) in {0, *compute.ATTENTION_PROBE_SLOTS}
-
-
 def test_autocast_is_on_only_for_bf16(cpu_with):
     cpu_with()
     with compute.autocast("auto"):
@@ -201,43 +180,17 @@ def test_target_loads_in_the_resolved_dtype_and_records_it(cpu_with, tiny_target
     monkeypatch.setattr(compute, "dense_bf16_speedup", lambda: 0.5)  # bf16 matmuls slow: fp32 cache
     monkeypatch.setattr(compute, "rowmajor_matmul_rows", lambda dtype: 3)
     monkeypatch.setattr(compute, "int4_probe_rows", lambda dtype: 9)  # unused: the tiny target is off the grid
-    monkeypatch.setattr(compute, "attention_probe_slots", lambda: 256)  # unused: the cache is fp32
     t = load_target(tiny_target_dir, dtype="auto")
     assert next(t.model.parameters()).dtype is want
     assert t.meta["dtype"] == str(want).removeprefix("torch.")
     assert t.meta["kv_cache_dtype"] == "float32"
     assert t.meta["wide_fp32_rows"] == (compute.WIDE_FP32_ROWS if want is torch.bfloat16 else 0)
     assert t.meta["rowmajor_rows"] == 3  # the probe's answer (mocked), kept beside the packed weights
-    assert t.meta["attention_fp32_pairs"] == 0
     down = t.model.model.layers[0].mlp.down_proj.weight_packed
     assert down.narrow_rows == 3 and down.rowmajor.dtype is want
     from eagle3_platform.spec.engine import SpecEngine
     from eagle3_platform.spec.config import PRESETS
     assert SpecEngine(t, None, PRESETS["baseline"]).batch().cache.kv_dtype is torch.float32
-
-
-def test_a_bf16_cache_under_auto_hands_the_attention_probe_to_the_model(cpu_with, tiny_target_dir, monkeypatch,
-                                                                       random_head_export):
-    """Where `auto` keeps a bf16 cache, every attention module of the loaded target carries the
-    probe's answer (grouped_decode_attention reads it), and so does an engine's head (its draft KV
-    is the batch cache's dtype); an explicit bf16 load carries 0."""
-    cpu_with("avx512_bf16")
-    monkeypatch.setattr(compute, "dense_bf16_speedup", lambda: 2.0)
-    monkeypatch.setattr(compute, "rowmajor_matmul_rows", lambda dtype: 0)
-    monkeypatch.setattr(compute, "int4_probe_rows", lambda dtype: 0)
-    monkeypatch.setattr(compute, "attention_probe_slots", lambda: 256)
-    auto, bf16 = load_target(tiny_target_dir, dtype="auto"), load_target(tiny_target_dir, dtype="bfloat16")
-    assert auto.meta["kv_cache_dtype"] == "bfloat16" and auto.meta["attention_fp32_pairs"] == 256
-    assert {layer.self_attn.fp32_pairs for layer in auto.model.model.layers} == {256}
-    assert bf16.meta["attention_fp32_pairs"] == 0
-    assert {layer.self_attn.fp32_pairs for layer in bf16.model.model.layers} == {0}
-    from eagle3_platform.draft.export import load_export
-    from eagle3_platform.spec.config import PRESETS
-    from eagle3_platform.spec.engine import SpecEngine
-    for weights in ("packed", "native"):
-        cfg = replace(PRESETS["chain"], head_weights=weights)
-        assert SpecEngine(auto, load_export(random_head_export, auto), cfg).draft.attention_fp32_pairs == 256
-        assert SpecEngine(bf16, load_export(random_head_export, bf16), cfg).draft.attention_fp32_pairs == 0
 
 
 def test_threads_block_runs_on_n_threads_and_restores_the_count():

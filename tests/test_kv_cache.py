@@ -177,57 +177,6 @@ def test_grouped_attention_over_an_fp32_cache_under_bf16_queries_runs_in_fp32(q_
     torch.testing.assert_close(got.float(), ref, atol=1e-5, rtol=2 ** -8)
 
 
-@pytest.mark.parametrize("q_len", [1, 5])
-def test_small_row_groups_over_a_bf16_cache_attend_in_fp32(q_len):
-    """fp32_pairs: a group of rows whose rows x query tokens x slots are at most that many runs in fp32
-    over the bf16 keys (within one bf16 rounding of fp32 attention: the output is bf16); a larger
-    group keeps bf16 arithmetic (its scores rounded to bf16: visibly further off with large scores),
-    and fp32_pairs 0 leaves both in bf16."""
-    from eagle3_platform.attention import grouped_attention
-
-    torch.manual_seed(0)
-    H, kv, d, bf = 6, 2, 16, torch.bfloat16
-    lengths = [40, 12, 10]  # rows longest first, as the batch cache keeps them
-    groups = [(0, 1, lengths[0] + q_len), (1, 3, lengths[1] + q_len)]
-    S = groups[0][2]
-    k, v = torch.randn(3, kv, S + 8, d, dtype=bf)[:, :, :S], torch.randn(3, kv, S + 8, d, dtype=bf)[:, :, :S]
-    q = (4 * torch.randn(3, H, q_len, d)).to(bf)  # scores of ~±30: bf16 rounding moves the weights
-    allowed = torch.arange(S)[None, None, None, :] < torch.tensor(lengths)[:, None, None, None] + q_len
-    allowed = allowed.expand(3, 1, q_len, S).clone()
-    rep = H // kv
-    ref = torch.nn.functional.scaled_dot_product_attention(
-        q.double(), k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1), attn_mask=allowed)
-    tight = dict(atol=1e-5, rtol=2 ** -8)  # one bf16 rounding of fp32 attention
-    small = 2 * q_len * groups[1][2]  # the second group's pairs: it runs in fp32, the first does not
-    got = grouped_attention(q, k, v, allowed, row_groups=groups, fp32_pairs=small)
-    bf16_only = grouped_attention(q, k, v, allowed, row_groups=groups)
-    assert got.dtype is bf and bf16_only.dtype is bf
-    torch.testing.assert_close(got[1:].double(), ref[1:], **tight)
-    with pytest.raises(AssertionError):
-        torch.testing.assert_close(bf16_only[1:].double(), ref[1:], **tight)
-    torch.testing.assert_close(got[:1].double(), bf16_only[:1].double(), **tight)  # group 0 as before
-    with pytest.raises(AssertionError):
-        torch.testing.assert_close(got[:1].double(), ref[:1], **tight)
-
-
-def test_the_fp32_choice_goes_by_the_span_not_the_buffer_a_view_is_widened_to():
-    """A cache view is attended over its whole buffer when that is at most 1.5x its span (no copy);
-    whether it runs in fp32 must not depend on that layout: the same keys as a view and contiguous
-    give the same fp32 result when the span is within fp32_pairs and the buffer is not."""
-    from eagle3_platform.attention import cache_buffer, grouped_attention
-
-    torch.manual_seed(0)
-    H, kv, S, d, bf = 6, 2, 40, 16, torch.bfloat16
-    like = torch.empty(0, dtype=bf)
-    k_buf, v_buf = cache_buffer(like, (1, kv, 50, d)), cache_buffer(like, (1, kv, 50, d))  # 1.25x the span
-    k_buf[:, :, :S], v_buf[:, :, :S] = torch.randn(1, kv, S, d), torch.randn(1, kv, S, d)
-    k, v = k_buf[:, :, :S], v_buf[:, :, :S]
-    q = (4 * torch.randn(1, H, 1, d)).to(bf)
-    viewed = grouped_attention(q, k, v, fp32_pairs=S)
-    whole = grouped_attention(q, k.contiguous(), v.contiguous(), fp32_pairs=S)
-    torch.testing.assert_close(viewed.float(), whole.float(), atol=1e-5, rtol=2 ** -8)
-
-
 def test_sdpa_fallback_takes_an_fp32_cache_under_a_bf16_query():
     """A maskless multi-token query (a prefill) goes to sdpa, which needs one dtype."""
     from eagle3_platform.attention import grouped_decode_attention

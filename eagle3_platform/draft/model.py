@@ -177,8 +177,6 @@ class DecoderLayer(nn.Module):
 
 
 class Eagle3Draft(nn.Module):
-    attention_fp32_pairs = 0  # drafting over a bf16 KV: small groups in fp32 (attention.grouped_attention)
-
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -227,7 +225,7 @@ class Eagle3Draft(nn.Module):
         if attn_mask is None and T > 1:  # one query sees every key: no mask needed
             attn_mask = causal_mask(T, k_all.shape[2], q.dtype, q.device)
         if T <= MAX_GROUPED_QUERY:  # drafting: grouped matmuls, no copy of the cache per head
-            attn = grouped_attention(q, k_all, v_all, attn_mask, fp32_pairs=self.attention_fp32_pairs)
+            attn = grouped_attention(q, k_all, v_all, attn_mask)
         else:  # a prompt's entries
             n_rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
             mask = None if attn_mask is None else attn_mask.to(q.dtype)

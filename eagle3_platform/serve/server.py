@@ -413,7 +413,6 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path | None = None, sp
             "wide_fp32_rows": target.meta.get("wide_fp32_rows", 0),
             "rowmajor_rows": target.meta.get("rowmajor_rows", 0),
             "int4_rows": target.meta.get("int4_rows", 0), "int4_linears": target.meta.get("int4_linears", 0),
-            "attention_fp32_pairs": target.meta.get("attention_fp32_pairs", 0),
             "spec": spec if draft is not None else "baseline", "spec_config": cfg.to_dict(),
             "head_weights": engine.head_weights,  # as resolved ('auto' -> int4 | packed)
             "threads": {"rest": torch.get_num_threads(),  # sampling, bookkeeping

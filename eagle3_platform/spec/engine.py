@@ -55,8 +55,6 @@ class SpecEngine:
                 self.draft = int4_head(self.draft, target.meta.get("int4_rows") or int4_probe_rows(), narrow)
             elif self.head_weights == "packed":
                 self.draft = packed_head(self.draft, narrow)
-            # its draft KV is the batch cache's dtype: small groups attend as the target's do
-            self.draft.attention_fp32_pairs = target.meta.get("attention_fp32_pairs", 0)
         else:
             self.head_weights = None
         # the head reads the layers it was trained on (its config), else the target's capture layers
