@@ -2,8 +2,9 @@
 
 Draft entries mirror the target's committed tokens: entry t reads (g_t, emb(x_{t+1})) at RoPE position
 t and its output predicts x_{t+2} (the training alignment). Invariant between verify steps: the draft
-holds entries 0..n-1 for the n tokens in the target's KV cache, and `h_last` (entry n-1's output)
-predicts the token after the pending root x_n.
+holds entries for the n tokens in the target's KV cache, but for the `skipped` older ones a windowed
+catch-up left out (their positions stay t), and `h_last` (entry n-1's output) predicts the token after
+the pending root x_n.
 
 Drafting (num_steps = d, eagle_topk = k):
   step 1: top-k of the draft's distribution after the root → k depth-1 nodes (the frontier);
@@ -85,6 +86,18 @@ class DraftKV:
         self.keys, self.values = grown.keys, grown.values
 
 
+# Entries of a backlog the head appends when it drafts again (None: all); older ones are skipped.
+# PROMPT_WINDOW: a row's first draft (its prompt); RESUME_WINDOW: a return after steps decoded without
+# a draft (a server's re-measure catches up every row's at once). The head reads the target's features,
+# which carry the context, and barely its own older entries: demo head, fp32, 30 report prompts x 96
+# tokens (~/.cache/eagle3-runs/s56/window.py): drafting every step, mean accepted 0.214 with the whole
+# prompt and 0.213 with 32 entries of it; after every 24 plain steps, 0.255 with the whole backlog,
+# 0.255 with 8 entries and 0.268 with both windows, the head's catch-up 1.10 -> 0.46 s. In the
+# server's worker at C = 8 the catch-up took 2.6% of the wall, 1.0% with both (s56/sweep.py).
+PROMPT_WINDOW: int | None = 32
+RESUME_WINDOW: int | None = 8
+
+
 class EagleDrafter:
     """Entries are appended lazily: `commit` only queues (aux, next tokens), and the queue runs as one
     draft forward when the next draft is asked for. A server step that verifies no draft (draft size
@@ -94,12 +107,18 @@ class EagleDrafter:
     def __init__(self, draft, cfg: SpecConfig, kv_dtype: torch.dtype | None = None):
         self.draft, self.cfg, self.kv_dtype = draft, cfg, kv_dtype
         self.kv: DraftKV | None = None  # committed draft KV, n entries
+        self.skipped = 0  # target tokens whose entries were never appended (catch_up's window)
         self.h_last = None  # [1,1,H]
         self._queued: list[tuple[torch.Tensor, torch.Tensor]] = []  # (aux [1,T,3H], next tokens [T])
 
     @property
     def n(self) -> int:
         return 0 if self.kv is None else self.kv.n
+
+    @property
+    def pos(self) -> int:
+        """RoPE position of the next entry: the target's tokens so far, appended or skipped."""
+        return self.n + self.skipped
 
     @property
     def k(self) -> torch.Tensor | None:  # [1,n_kv,n,hd]
@@ -110,7 +129,7 @@ class EagleDrafter:
         return None if self.kv is None else self.kv.v
 
     def prefill(self, aux, next_tokens):
-        self.kv = None
+        self.kv, self.skipped = None, 0
         self._queued = [(aux, next_tokens)]
 
     def commit(self, aux, next_tokens):
@@ -124,8 +143,21 @@ class EagleDrafter:
         backlog = len(self._queued) - keep
         if backlog > 0:
             self._queued, last = self._queued[:backlog], self._queued[backlog:]
+            window = PROMPT_WINDOW if self.kv is None else RESUME_WINDOW
+            if window is not None:
+                self._skip_oldest(window)
             self._append_queued()
             self._queued = last
+
+    def _skip_oldest(self, keep: int) -> None:
+        """Leave all but the newest `keep` queued entries out of the draft KV (a gap the head
+        attends around; the positions after it stay the target's)."""
+        aux = torch.cat([a for a, _ in self._queued], dim=1)  # [1,T,3H]
+        next_tokens = torch.cat([t for _, t in self._queued])  # [T]
+        drop = next_tokens.numel() - keep
+        if drop > 0:
+            self._queued = [(aux[:, drop:], next_tokens[drop:])]
+            self.skipped += drop
 
     @torch.no_grad()
     def _append_queued(self):
@@ -135,8 +167,8 @@ class EagleDrafter:
         aux = torch.cat([a for a, _ in self._queued], dim=1)  # [1,T,3H]
         next_tokens = torch.cat([t for _, t in self._queued])  # [T]
         self._queued = []
-        d, n, t = self.draft, self.n, aux.shape[1]
-        pos = torch.arange(n, n + t)[None]  # [1,T]
+        d, t = self.draft, aux.shape[1]
+        pos = torch.arange(self.pos, self.pos + t)[None]  # [1,T]
         if self.kv is None:  # room for the prompt and the next few hundred entries
             c = d.cfg
             self.kv = DraftKV.empty(1, c.num_key_value_heads, c.head_dim, t + 256,
@@ -176,7 +208,7 @@ class EagleDrafter:
         committed prefix and the tree's earlier entries."""
         d, n = self.draft, self.n
         ids = d.to_target_ids(pool.draft_ids[frontier])[None]  # [1,F] target ids
-        pos = torch.full((1, len(frontier)), n - 1 + step)  # depth-s node entry sits at n-1+s
+        pos = torch.full((1, len(frontier)), self.pos - 1 + step)  # a depth-s node sits at pos-1+s
         allowed = torch.zeros(len(frontier), n + pool.n_entries + len(frontier), dtype=torch.bool)
         allowed[:, :n] = True  # the committed prefix
         for row, node in enumerate(frontier):
@@ -228,10 +260,10 @@ def propose_chains(drafters: list[EagleDrafter], roots: list[int], budget: int) 
     _append_queued_many(drafters)
     d, cfg = drafters[0].draft, drafters[0].cfg
     steps = min(cfg.num_steps, budget)
-    n = torch.tensor([x.n for x in drafters])  # [B]
+    pos = torch.tensor([x.pos for x in drafters])  # [B] the next entry's position
     past, allowed = _padded_past(drafters, room=steps)  # DraftKV over [B,kv,P,hd], bool [B,P] | None
     try:
-        picks = _draft_chains(d, cfg, past, allowed, n, torch.cat([x.h_last for x in drafters]), steps)
+        picks = _draft_chains(d, cfg, past, allowed, pos, torch.cat([x.h_last for x in drafters]), steps)
     finally:
         past.rewind()  # the chains' entries are speculative (one row: its own cache)
     trees = []
@@ -242,9 +274,10 @@ def propose_chains(drafters: list[EagleDrafter], roots: list[int], budget: int) 
     return trees
 
 
-def _draft_chains(d, cfg, past: "DraftKV", allowed, n, h, steps: int) -> list:
+def _draft_chains(d, cfg, past: "DraftKV", allowed, pos, h, steps: int) -> list:
     """Depth by depth over B rows -> [(draft ids [B], alive [B])] per depth; h [B,1,H] the rows'
-    h_last. Each depth's entries are written into `past` after the rows' prefixes."""
+    h_last, pos [B] their next entries' positions. Each depth's entries are written into `past` after
+    the rows' prefixes."""
     B = h.shape[0]
     picks, alive, path_logp = [], torch.ones(B, dtype=torch.bool), torch.zeros(B)
     for step in range(1, steps + 1):
@@ -261,7 +294,7 @@ def _draft_chains(d, cfg, past: "DraftKV", allowed, n, h, steps: int) -> list:
             allowed = torch.cat([allowed, torch.ones(B, 1, dtype=torch.bool)], 1)  # [B,P+s]
             mask = additive_mask(allowed[:, None, None, :], h.dtype)  # [B,1,1,P+s]
         ids = d.to_target_ids(pick)[:, None]  # [B,1]
-        h, _ = d.backbone(d.embed(ids), h, (n - 1 + step)[:, None], mask, past)
+        h, _ = d.backbone(d.embed(ids), h, (pos - 1 + step)[:, None], mask, past)
     return picks
 
 
@@ -284,7 +317,7 @@ def _append_queued_many(drafters: list[EagleDrafter]) -> None:
     aux = [torch.cat([a for a, _ in x._queued], dim=1)[0] for x in short]  # [T_b,3H]
     toks = [torch.cat([t for _, t in x._queued]) for x in short]  # [T_b]
     T = torch.tensor([len(t) for t in toks])
-    n = torch.tensor([x.n for x in short])
+    start = torch.tensor([x.pos for x in short])
     aux = torch.nn.utils.rnn.pad_sequence(aux, batch_first=True)  # [B,Tm,3H]
     toks = torch.nn.utils.rnn.pad_sequence(toks, batch_first=True)  # [B,Tm]
     Tm = toks.shape[1]
@@ -292,7 +325,7 @@ def _append_queued_many(drafters: list[EagleDrafter]) -> None:
     j = torch.arange(Tm)
     causal = (j[None, :] <= j[:, None]) & ((j[None, None, :] < T[:, None, None]) | (j[None, :] == j[:, None]))
     allowed = torch.cat([prefix[:, None, :].expand(B, Tm, -1), causal], dim=2)  # [B,Tm,P+Tm]
-    pos = n[:, None] + j[None, :]  # [B,Tm]; a padding entry's position is never read
+    pos = start[:, None] + j[None, :]  # [B,Tm]; a padding entry's position is never read
     h, (k, v) = d.backbone(d.embed(toks), d.project(aux), pos, additive_mask(allowed[:, None], aux.dtype),
                            past)
     for b, x in enumerate(short):
