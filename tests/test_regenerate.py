@@ -576,7 +576,7 @@ def test_smollm2_regeneration_matches_generate(smollm2_dir, tmp_path):
     prompts = [prompt_record(0, ["What is the capital of France?"]),
                prompt_record(1, ["Name a primary colour.", "Name another one."], system="Answer in one line."),
                prompt_record(2, ["Write a haiku about the sea."])]
-    cfg = replace(PRESETS["demo"], max_new_tokens=12, batch_size=3)
+    cfg = replace(PRESETS["demo"], max_new_tokens=12, batch_size=3, time_budget_s=None)
     inp = write_prompts(tmp_path / "in.jsonl", prompts)
     s = regenerate_file(smollm2_dir, inp, tmp_path / "out.jsonl", cfg, scanner=NoScan())
     assert (s["written"], s["rejected"]) == (3, 0)
