@@ -151,19 +151,25 @@ def test_a_riding_prompt_that_fails_is_given_up_and_the_rows_decode_on(target, r
     assert out == refs[PROMPTS[0]][:MAX_NEW] and batch.failed_prompts == []
 
 
-def test_server_cap_on_draft_size_keeps_output(target, refs):
-    """A step may verify fewer draft tokens than the settings say (the server's draft-size choice)."""
-    engine = _oracle_engine(target, refs, PRESETS["chain"], PROMPTS)
-    batch = engine.batch()
-    reqs = [batch.open(_ids(target, p), MAX_NEW) for p in PROMPTS]
+def _decode_capped(batch, prompts, caps):
+    """The prompts prefilled together, then one step per draft-size cap (a server's choices) until
+    every request is done -> (requests, {request: emitted tokens})."""
+    reqs = [batch.open(ids, MAX_NEW) for ids in prompts]
     out = {r: batch.prefill(r, None) for r in reqs}
-    for cap in [0, 1, 3, 0, 2, 4] * 10:
+    for cap in caps:
         if not batch.rows:
             break
         for r, toks in batch.step(max_draft_tokens=cap):
             out[r] += toks
         for r in [r for r in batch.rows if r.done]:
             batch.close(r)
+    return reqs, out
+
+
+def test_server_cap_on_draft_size_keeps_output(target, refs):
+    """A step may verify fewer draft tokens than the settings say (the server's draft-size choice)."""
+    engine = _oracle_engine(target, refs, PRESETS["chain"], PROMPTS)
+    reqs, out = _decode_capped(engine.batch(), [_ids(target, p) for p in PROMPTS], [0, 1, 3, 0, 2, 4] * 10)
     for r, p in zip(reqs, PROMPTS):
         assert out[r] == refs[p][:MAX_NEW]
         assert max(r.hist) <= 5
@@ -253,15 +259,8 @@ def test_windowed_catch_ups_keep_greedy_output(target, refs, kind, monkeypatch):
     monkeypatch.setattr("eagle3_platform.spec.drafter.PROMPT_WINDOW", 3)
     monkeypatch.setattr("eagle3_platform.spec.drafter.RESUME_WINDOW", 2)
     batch = SpecEngine(target, random_draft(target, 64), PRESETS[kind]).batch()
-    reqs = [batch.open(_ids(target, p), MAX_NEW) for p in PROMPTS]
-    out = {r: batch.prefill(r, None) for r in reqs}
-    for cap in [0, 0, 0, 2, 4, 0, 0, 0, 0, 3, 1] * 10:
-        if not batch.rows:
-            break
-        for r, toks in batch.step(max_draft_tokens=cap):
-            out[r] += toks
-        for r in [r for r in batch.rows if r.done]:
-            batch.close(r)
+    caps = [0, 0, 0, 2, 4, 0, 0, 0, 0, 3, 1] * 10  # plain stretches: returns with a backlog
+    reqs, out = _decode_capped(batch, [_ids(target, p) for p in PROMPTS], caps)
     for r, p in zip(reqs, PROMPTS):
         assert out[r] == refs[p][:MAX_NEW]
         assert r.drafter.skipped > 0 or len(r.ids) <= 3
