@@ -86,7 +86,8 @@ decoding flipped the choice, and a new choice re-measures soon): ~10% of the tim
 cost beyond what the incumbent takes for as many tokens, its catch-up included, is averaged per
 (bucket, incumbent) in incumbent steps, and the next re-measure waits at least that over
 EXPLORE_BUDGET (3%: one worth two plain steps comes every ~70 steps, one that costs nothing at the
-base rate).
+base rate). (Since session 56 a catch-up appends only the newest entries of a backlog, drafter.py's
+RESUME_WINDOW and PROMPT_WINDOW, so both costs below are smaller than the figures here, measured before.)
 New requests' prompts are charged: a row's first draft appends its whole prompt to the head's KV
 (~5-8 ms for a chat prompt), which drafting pays once per request and plain decoding never. Per
 bucket, while drafting goes on, each prompt caught up is spread over the drafting steps since the
