@@ -965,4 +965,5 @@ def test_cli_time_budget_minutes_override_the_presets_and_zero_lifts_it():
     assert regen_config(RegenerateRequest(preset="cpu", **req)).time_budget_s == 14 * 60
     assert regen_config(RegenerateRequest(preset="cpu", time_budget_s=90, **req)).time_budget_s == 90
     assert regen_config(RegenerateRequest(preset="cpu", time_budget_s=0, **req)).time_budget_s is None
-    assert regen_config(RegenerateRequest(preset="demo", **req)).time_budget_s is None
+    assert regen_config(RegenerateRequest(preset="demo", **req)).time_budget_s == 45  # command 1's 20 min
+    assert regen_config(RegenerateRequest(preset="demo", time_budget_s=0, **req)).time_budget_s is None
