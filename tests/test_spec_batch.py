@@ -231,6 +231,7 @@ def test_a_windowed_catch_up_skips_the_oldest_entries_at_the_targets_positions(t
     from eagle3_platform.spec import drafter as drafter_mod
 
     monkeypatch.setattr(drafter_mod, "PROMPT_WINDOW", None)
+
     def run(window):
         monkeypatch.setattr(drafter_mod, "RESUME_WINDOW", window)
         batch = SpecEngine(target, random_draft(target, 64), PRESETS["chain"]).batch()

@@ -93,7 +93,7 @@ class DraftKV:
 # tokens (~/.cache/eagle3-runs/s56/window.py): drafting every step, mean accepted 0.214 with the whole
 # prompt and 0.213 with 32 entries of it; after every 24 plain steps, 0.255 with the whole backlog,
 # 0.255 with 8 entries and 0.268 with both windows, the head's catch-up 1.10 -> 0.46 s. In the
-# server's worker at C = 8 the catch-up took 2.6% of the wall, 1.0% with both (s56/sweep.py).
+# server's worker at C = 8 the catch-up took 2.7% of the wall, 0.9% with both (s56/sweep.py).
 PROMPT_WINDOW: int | None = 32
 RESUME_WINDOW: int | None = 8
 
