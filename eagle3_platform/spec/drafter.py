@@ -149,11 +149,14 @@ class EagleDrafter:
             self._append_queued()
             self._queued = last
 
+    def _queue_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The queued entries as one (aux [1,T,3H], next tokens [T])."""
+        return torch.cat([a for a, _ in self._queued], dim=1), torch.cat([t for _, t in self._queued])
+
     def _skip_oldest(self, keep: int) -> None:
         """Leave all but the newest `keep` queued entries out of the draft KV (a gap the head
         attends around; the positions after it stay the target's)."""
-        aux = torch.cat([a for a, _ in self._queued], dim=1)  # [1,T,3H]
-        next_tokens = torch.cat([t for _, t in self._queued])  # [T]
+        aux, next_tokens = self._queue_tensors()  # [1,T,3H], [T]
         drop = next_tokens.numel() - keep
         if drop > 0:
             self._queued = [(aux[:, drop:], next_tokens[drop:])]
@@ -164,8 +167,7 @@ class EagleDrafter:
         """Append entries n..n+T-1 = (g, emb(next token)), causal over the committed prefix."""
         if not self._queued:
             return
-        aux = torch.cat([a for a, _ in self._queued], dim=1)  # [1,T,3H]
-        next_tokens = torch.cat([t for _, t in self._queued])  # [T]
+        aux, next_tokens = self._queue_tensors()  # [1,T,3H], [T]
         self._queued = []
         d, t = self.draft, aux.shape[1]
         pos = torch.arange(self.pos, self.pos + t)[None]  # [1,T]
@@ -314,8 +316,9 @@ def _append_queued_many(drafters: list[EagleDrafter]) -> None:
             x._append_queued()
         return
     d, B = short[0].draft, len(short)
-    aux = [torch.cat([a for a, _ in x._queued], dim=1)[0] for x in short]  # [T_b,3H]
-    toks = [torch.cat([t for _, t in x._queued]) for x in short]  # [T_b]
+    queued = [x._queue_tensors() for x in short]
+    aux = [a[0] for a, _ in queued]  # [T_b,3H]
+    toks = [t for _, t in queued]  # [T_b]
     T = torch.tensor([len(t) for t in toks])
     start = torch.tensor([x.pos for x in short])
     aux = torch.nn.utils.rnn.pad_sequence(aux, batch_first=True)  # [B,Tm,3H]
