@@ -34,7 +34,7 @@ from eagle3_platform.data.chat import render_prompt  # noqa: E402
 from eagle3_platform.spec.config import get_preset  # noqa: E402
 from eagle3_platform.spec.engine import SpecEngine  # noqa: E402
 from eagle3_platform.spec.eval import first_turn  # noqa: E402
-from eagle3_platform.spec.policy import DraftSizePolicy  # noqa: E402
+from eagle3_platform.spec.policy import DraftSizePolicy, observe_step  # noqa: E402
 from eagle3_platform.target import load_target  # noqa: E402
 
 
@@ -49,9 +49,7 @@ def run_engine(engine, prompts, max_new, draft_size=None, policy=None):
         k = policy.choose(len(batch.rows)) if policy is not None else draft_size
         out = batch.step(k)
         if policy is not None:
-            policy.observe(len(out), k, batch.step_s, [r.last_accepted for r, _ in out],
-                           [r.last_drafted for r, _ in out], batch.resume_catch_up_s,
-                           batch.catch_up_s - batch.resume_catch_up_s)
+            observe_step(policy, batch, k, out)
         for r, toks in out:
             outs[r] += toks
         steps, sizes = steps + len(out), sizes + [k or 0]

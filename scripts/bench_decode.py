@@ -12,6 +12,10 @@ Methods, interleaved per prompt within every repeat so machine-load drift hits a
   eagle3_chain      SpecEngine + EAGLE-3 head, `chain` preset      (needs --draft)
   eagle3_tree       SpecEngine + EAGLE-3 head, `tree` preset       (needs --draft)
   eagle3_X_lookupN  the same + a prompt-lookup branch of up to N tokens (--lookup-tokens N ...)
+  eagle3_X_policy   the first eagle3 row's engine (its lookup branch: the first --lookup-tokens) with
+                    each step's draft size chosen by the server's policy (spec/policy.py; --policy),
+                    one policy learning across prompts and repeats as a server's does: what a
+                    server gives one request at a time
   lookupN_plain     what a server does at draft size 0 (needs --draft and --lookup-tokens N): plain
                     steps that verify the request's prompt-lookup match alone, the head never run;
                     the row the head's drafts must beat
@@ -53,6 +57,7 @@ from eagle3_platform.draft.metrics import acceptance_length  # noqa: E402
 from eagle3_platform.records import write_json_atomic  # noqa: E402
 from eagle3_platform.spec.config import HEAD_WEIGHTS, PRESETS, SpecConfig, get_preset  # noqa: E402
 from eagle3_platform.spec.engine import SpecEngine  # noqa: E402
+from eagle3_platform.spec.policy import DraftSizePolicy, observe_step  # noqa: E402
 from eagle3_platform.spec.eval import first_turn, load_prompts  # noqa: E402
 from eagle3_platform.target import load_target  # noqa: E402
 
@@ -86,6 +91,22 @@ def engine_method(engine, max_draft_tokens: int | None = None):
     def run(ids, max_new):
         tokens, stats = engine.generate(ids, max_new, max_draft_tokens=max_draft_tokens)
         return tokens, dict(stats)
+    return run
+
+
+def policy_method(engine, policy: DraftSizePolicy):
+    """A request alone, each step at the draft size `policy` chooses and told what it cost (a server's
+    worker at batch 1, spec/policy.observe_step)."""
+    def run(ids, max_new):
+        batch = engine.batch()
+        r = batch.open(ids, max_new)
+        tokens = list(batch.prefill(r, max_tokens=None))
+        while not r.done:
+            k = policy.choose(1)
+            rows = batch.step(k)
+            observe_step(policy, batch, k, rows)
+            tokens += rows[0][1]
+        return tokens, dict(batch.close(r))
     return run
 
 
@@ -144,6 +165,14 @@ def build_methods(target, draft, args, refs: dict, bf16_target=None, stock_targe
             for n in args.lookup_tokens:  # the head's tree + a prompt-lookup branch (spec/lookup.py)
                 methods[f"eagle3_{name}_lookup{n}{suffix}"] = engine_method(
                     SpecEngine(target, draft, replace(cfg, lookup_tokens=n), tt, dt))
+        if args.policy:  # the server's way: the first row's settings, the draft size chosen per step
+            cfg = replace(get_preset(args.spec[0]), head_weights=args.head_weights[0],
+                          lookup_tokens=args.lookup_tokens[0] if args.lookup_tokens else 0)
+            if args.min_draft_prob is not None:
+                cfg = replace(cfg, min_draft_prob=args.min_draft_prob)
+            name = f"eagle3_{args.spec[0]}" + (f"_lookup{cfg.lookup_tokens}" if cfg.lookup_tokens else "")
+            engine = SpecEngine(target, draft, cfg, tt, args.draft_threads[0])
+            methods[f"{name}_policy"] = policy_method(engine, DraftSizePolicy(cfg.num_draft_tokens - 1))
         for n in args.lookup_tokens:  # the lookup branch alone, the head's drafts off (draft size 0)
             cfg = replace(get_preset(args.spec[0]), head_weights=args.head_weights[0], lookup_tokens=n)
             methods[f"lookup{n}_plain"] = engine_method(SpecEngine(target, draft, cfg, tt), max_draft_tokens=0)
@@ -292,6 +321,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lookup-tokens", type=int, nargs="*", default=[],
                     help="also run each eagle3 row with a prompt-lookup branch of this many tokens")
     ap.add_argument("--oracle", action="store_true", help="add the oracle_chain ceiling row")
+    ap.add_argument("--policy", action="store_true",
+                    help="add the eagle3_X_policy row: the draft size chosen per step as a server does")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -31,11 +31,11 @@ def test_bench_decode_rows_and_fp32_agreement(tiny_target_dir, random_head_expor
     assert bench_decode.main([
         "--target", str(tiny_target_dir), "--draft", str(random_head_export), "--prompts", str(prompts),
         "--max-new-tokens", "12", "--repeats", "1", "--dtype", "float32", "--spec", "chain",
-        "--lookup-tokens", "4", "--draft-threads", "1", "2", "--oracle", "--out", str(out)]) == 0
+        "--lookup-tokens", "4", "--draft-threads", "1", "2", "--oracle", "--policy", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     figures = result["figures"]
     spec_rows = {"eagle3_chain", "eagle3_chain_dt2", "eagle3_chain_lookup4", "eagle3_chain_lookup4_dt2",
-                 "lookup4_plain", "oracle_chain"}
+                 "lookup4_plain", "oracle_chain", "eagle3_chain_lookup4_policy"}
     assert spec_rows | {"hf_greedy", "engine_baseline"} <= set(figures)
     assert result["config"]["dtype"] == "float32" and result["config"]["n_prompts"] == 2
     for name in spec_rows:

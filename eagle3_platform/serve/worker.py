@@ -32,6 +32,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
+from eagle3_platform.spec.policy import observe_step
+
 log = logging.getLogger("eagle3.serve")
 
 
@@ -294,10 +296,7 @@ class EngineWorker:
         self.totals.lookup_plain_steps += looked_up
         if self.policy is not None:  # a step that carried prompt chunks cost more: no cost learnt
             # (a plain step's lookup match is timed: its cost and tokens are plain decoding's, policy.py)
-            self.policy.observe(len(jobs), k, None if riders else batch.step_s,
-                                [r.last_accepted for r, _ in rows], [r.last_drafted for r, _ in rows],
-                                batch.resume_catch_up_s,
-                                batch.catch_up_s - batch.resume_catch_up_s)
+            observe_step(self.policy, batch, k, rows, timed=not riders)
         for r, toks in rows:
             self._deliver(batch, jobs[r], toks)
         riding = {j.request: j for j, _ in riders}

@@ -388,6 +388,15 @@ class DraftSizePolicy:
         return self.best(nearest)
 
 
+def observe_step(policy: DraftSizePolicy, batch, k: int, rows: list, timed: bool = True) -> None:
+    """Tell `policy` what the step `batch` just ran at draft size k cost and accepted, as a server
+    does: rows = the (request, tokens) of its running rows; timed=False where the step did other
+    work too (it carried prompt chunks): then acceptance and the catch-up are learnt, not cost."""
+    policy.observe(len(rows), k, batch.step_s if timed else None,
+                   [r.last_accepted for r, _ in rows], [r.last_drafted for r, _ in rows],
+                   batch.resume_catch_up_s, batch.catch_up_s - batch.resume_catch_up_s)
+
+
 def _per_step_weight(gap: int) -> float:
     """The weight of a value that stands for `gap` steps of a bucket in a mean that forgets EMA per step."""
     return 1 - (1 - EMA) ** gap
