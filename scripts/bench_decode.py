@@ -57,8 +57,8 @@ from eagle3_platform.draft.metrics import acceptance_length  # noqa: E402
 from eagle3_platform.records import write_json_atomic  # noqa: E402
 from eagle3_platform.spec.config import HEAD_WEIGHTS, PRESETS, SpecConfig, get_preset  # noqa: E402
 from eagle3_platform.spec.engine import SpecEngine  # noqa: E402
-from eagle3_platform.spec.policy import DraftSizePolicy, observe_step  # noqa: E402
 from eagle3_platform.spec.eval import first_turn, load_prompts  # noqa: E402
+from eagle3_platform.spec.policy import DraftSizePolicy, observe_step  # noqa: E402
 from eagle3_platform.target import load_target  # noqa: E402
 
 MTBENCH_PER_CATEGORY = 10  # MT-bench lists 8 categories x 10 questions in order
