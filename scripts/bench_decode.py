@@ -141,6 +141,12 @@ def settle_oracle(run, refs: dict, prompts: list[list[int]], max_new: int, round
     return unsettled
 
 
+def eagle3_config(args, name: str, weights: str) -> SpecConfig:
+    """An eagle3 row's settings: the spec preset `name`, the head's weights, --min-draft-prob if given."""
+    cfg = replace(get_preset(name), head_weights=weights)
+    return cfg if args.min_draft_prob is None else replace(cfg, min_draft_prob=args.min_draft_prob)
+
+
 def build_methods(target, draft, args, refs: dict, bf16_target=None, stock_target=None) -> dict:
     tt = args.target_threads
     base = SpecEngine(target, None, PRESETS["baseline"], tt)
@@ -154,9 +160,7 @@ def build_methods(target, draft, args, refs: dict, bf16_target=None, stock_targe
     methods["engine_baseline"] = engine_method(base)
     if draft is not None:
         for name, weights, dt in itertools.product(args.spec, args.head_weights, args.draft_threads):
-            cfg = replace(get_preset(name), head_weights=weights)
-            if args.min_draft_prob is not None:
-                cfg = replace(cfg, min_draft_prob=args.min_draft_prob)
+            cfg = eagle3_config(args, name, weights)
             # the first value of --head-weights and of --draft-threads is unnamed; the others are
             # named (eagle3_chain_native, eagle3_chain_dt2)
             suffix = ("" if weights == args.head_weights[0] else f"_{weights}") + (
@@ -166,10 +170,8 @@ def build_methods(target, draft, args, refs: dict, bf16_target=None, stock_targe
                 methods[f"eagle3_{name}_lookup{n}{suffix}"] = engine_method(
                     SpecEngine(target, draft, replace(cfg, lookup_tokens=n), tt, dt))
         if args.policy:  # the server's way: the first row's settings, the draft size chosen per step
-            cfg = replace(get_preset(args.spec[0]), head_weights=args.head_weights[0],
+            cfg = replace(eagle3_config(args, args.spec[0], args.head_weights[0]),
                           lookup_tokens=args.lookup_tokens[0] if args.lookup_tokens else 0)
-            if args.min_draft_prob is not None:
-                cfg = replace(cfg, min_draft_prob=args.min_draft_prob)
             name = f"eagle3_{args.spec[0]}" + (f"_lookup{cfg.lookup_tokens}" if cfg.lookup_tokens else "")
             engine = SpecEngine(target, draft, cfg, tt, args.draft_threads[0])
             methods[f"{name}_policy"] = policy_method(engine, DraftSizePolicy(cfg.num_draft_tokens - 1))
