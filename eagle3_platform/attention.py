@@ -20,6 +20,10 @@ attention itself (B 48, 514 cached tokens, one layer: 2.2 ms, 1.2 ms over contig
 rows' whole buffers instead, the spare slots masked out: contiguous, no copy. That needs the spare
 slots finite (0 * NaN is NaN), so only buffers made by `cache_buffer` (zeroed) are widened.
 
+That holds for bf16 caches, on oneDNN. An fp32 cache's matmuls (MKL) take the strided views without
+a copy, and there widening cost more than it saved (the spare slots, a bias over them, the
+bookkeeping): its rows attend over their spans as they are (SPAN_DTYPES).
+
 The cache may hold keys/values in fp32 under a bf16 model (the batch cache does where bf16 matmuls
 are slow: compute.kv_cache_dtype); attention then runs in the cache's dtype and hands back the
 query's. Its two matmuls per layer are small and dense, and on a CPU without fast bf16 arithmetic they
@@ -44,6 +48,12 @@ MAX_GROUPED_QUERY = 64  # verification trees are ~5-16 tokens; longer queries ar
 # 0.8-1.0x at 1.5x, 0.9-1.2x at 2x; ~/.cache/eagle3-runs/s20/widen.py).
 WIDEN_UP_TO = 1.5
 _CACHE_BUFFERS: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+# Caches of these dtypes are attended over their rows' spans as given, never widened. SmolLM2 shapes,
+# one layer, 2 threads, an Intel Xeon without avx512_bf16 (~/.cache/eagle3-runs/s58/attnvar2.py), µs
+# widened -> span: B 1 q 1 over 301 of 401 slots 224 -> 83, q 5 302 -> 154, q 9 351 -> 199; B 8 q 1
+# 521 -> 315, B 16 780 -> 525. bf16 there: B 1 1.1-1.3x faster, B 8-16 1.1-1.5x slower, so bf16 caches
+# keep the widening measured for them.
+SPAN_DTYPES = (torch.float32,)
 
 
 def cache_buffer(like: torch.Tensor, shape, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -81,7 +91,9 @@ def grouped_attention(query, key, value, mask=None, scaling=None, row_groups=Non
     r = H // key.shape[1]
     scale = d ** -0.5 if scaling is None else scaling
     groups = row_groups if row_groups and len(row_groups) > 1 else [(0, B, key.shape[-2])]
-    parts = [(a, b, *_whole_rows(key[a:b, :, :span], value[a:b, :, :span])) for a, b, span in groups]
+    spans = [(a, b, key, value) if (a, b, span) == (0, B, key.shape[-2]) else
+             (a, b, key[a:b, :, :span], value[a:b, :, :span]) for a, b, span in groups]
+    parts = spans if key.dtype in SPAN_DTYPES else [(a, b, *_whole_rows(k, v)) for a, b, k, v in spans]
     width = max(k.shape[-2] for _, _, k, _ in parts)
     if mask is None and width > key.shape[-2]:  # every slot visible, but a whole buffer's spare ones
         mask = _all_visible(q, key.shape[-2])
@@ -138,10 +150,15 @@ def _attend(query, key, value, bias, scale: float):
     B, H, q, d = query.shape
     kv = key.shape[1]
     qg = query.reshape(B, kv, H // kv * q, d)  # [B,kv,r*q,d]: row i*q+j is query token j of head i
-    scores = _scores(qg, key).float() * scale  # [B,kv,r*q,S]
+    scores = _scores(qg, key)
+    if scores.dtype != torch.float32:  # (a check, not a no-op cast: a small op costs µs here)
+        scores = scores.float()
+    scores = scores * scale  # [B,kv,r*q,S]
     if bias is not None:
         scores = scores + bias
-    weights = torch.softmax(scores, dim=-1).to(value.dtype)  # [B,kv,r*q,S]
+    weights = torch.softmax(scores, dim=-1)  # [B,kv,r*q,S]
+    if weights.dtype != value.dtype:
+        weights = weights.to(value.dtype)
     return torch.matmul(weights, value).reshape(B, H, q, d)
 
 
@@ -149,8 +166,8 @@ def _scores(qg: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """qg [B,kv,m,d] @ keyᵀ -> [B,kv,m,S]. A cache's keys are usually a prefix view of a larger buffer,
     and CPU bf16 matmul against such a view transposed is slow; (key @ qgᵀ)ᵀ, the same sums with the
     view row-major, is 3-5x faster (1 thread, B 16, 1200 cached tokens, one layer: 0.46 vs 2.30 ms;
-    a packed key takes 0.23 ms, but packing is a copy of the cache)."""
-    if key.is_contiguous():
+    a packed key takes 0.23 ms, but packing is a copy of the cache). fp32 takes the view as it is."""
+    if key.is_contiguous() or key.dtype == torch.float32:
         return torch.matmul(qg, key.transpose(-1, -2))
     return torch.matmul(key, qg.transpose(-1, -2)).transpose(-1, -2)
 

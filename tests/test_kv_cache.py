@@ -53,9 +53,11 @@ def decode(model, cache, attn: str, steps: int = 40, drop_at: int = 15, crop_at:
 @pytest.mark.parametrize("widen_up_to", [None, 100])
 def test_growing_cache_and_grouped_decode_match_dynamic_cache_and_sdpa(model, widen_up_to, monkeypatch):
     """widen_up_to 100: every step attends over the cache's whole buffers (their spare slots hold the
-    cropped verify's keys and zeros), as long sequences do with the default."""
+    cropped verify's keys and zeros), as long sequences do with the default in bf16 (here fp32 takes
+    the widening too, SPAN_DTYPES emptied); None: fp32's own way, the rows' spans as given."""
     if widen_up_to is not None:
         monkeypatch.setattr("eagle3_platform.attention.WIDEN_UP_TO", widen_up_to)
+        monkeypatch.setattr("eagle3_platform.attention.SPAN_DTYPES", ())
     want = decode(model, DynamicCache(), "sdpa")
     got = decode(model, GrowingCache(), GROUPED_DECODE)
     assert len(got) == len(want)
@@ -207,8 +209,11 @@ def _spy_attend(monkeypatch) -> list:
 def test_attention_reads_whole_cache_buffers_and_masks_their_spare_slots(q_len, masked, monkeypatch):
     """A prefix view of a cache_buffer at most WIDEN_UP_TO times wider than it is attended whole
     (contiguous: no copy inside bmm); the spare slots, here holding stale finite values, are masked
-    out, so the output is the view's. Row groups: each group decides for itself."""
+    out, so the output is the view's. Row groups: each group decides for itself. (The dtypes that
+    widen: not SPAN_DTYPES, emptied here so fp32 shows it.)"""
     from eagle3_platform.attention import cache_buffer, grouped_attention
+
+    monkeypatch.setattr("eagle3_platform.attention.SPAN_DTYPES", ())
 
     B, H, kv, C, d = 4, 6, 2, 48, 16
     buf_k, buf_v = cache_buffer(torch.empty(0), (B + 1, kv, C, d)), cache_buffer(torch.empty(0), (B + 1, kv, C, d))
@@ -238,6 +243,29 @@ def test_attention_reads_whole_cache_buffers_and_masks_their_spare_slots(q_len, 
     seen.clear()  # a buffer over 1.5x the span: the view, as given
     grouped_attention(q, buf_k[:B, :, :30], buf_v[:B, :, :30], None if mask is None else mask[..., :30])
     assert seen == [(30, False)]
+
+
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_an_fp32_cache_is_attended_over_its_spans_as_given(q_len, monkeypatch):
+    """SPAN_DTYPES (fp32): rows attend over their spans of the cache_buffer, never the whole buffer,
+    with or without a mask; each row group over its own span; the output is the contiguous copy's."""
+    from eagle3_platform.attention import cache_buffer, grouped_attention
+
+    B, H, kv, C, d, S = 3, 6, 2, 48, 16, 40
+    buf_k, buf_v = cache_buffer(torch.empty(0), (B, kv, C, d)), cache_buffer(torch.empty(0), (B, kv, C, d))
+    buf_k.normal_(), buf_v.normal_()
+    k, v = buf_k[:, :, :S], buf_v[:, :, :S]
+    q = torch.randn(B, H, q_len, d)
+    allowed = torch.rand(B, 1, q_len, S) < 0.7
+    allowed[..., 0] = True
+    allowed[1:, ..., 24:] = False  # rows 1-2 hold 24 tokens
+    seen = _spy_attend(monkeypatch)
+    for mask, groups, spans in ((None, None, [S]), (allowed, None, [S]), (allowed, [(0, 1, S), (1, B, 24)], [S, 24])):
+        seen.clear()
+        got = grouped_attention(q, k, v, mask, row_groups=groups)
+        assert seen == [(n, False) for n in spans]
+        torch.testing.assert_close(got, grouped_attention(q, k.contiguous(), v.contiguous(), mask),
+                                   atol=1e-5, rtol=1e-5)
 
 
 def test_attention_never_reads_past_a_view_of_other_tensors(monkeypatch):
