@@ -131,12 +131,17 @@ def int4_matmul(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
     """[..., in] -> [..., out] = x @ Wᵀ in x's dtype, with bf16 rounding of x, the scales and each
     plane's output (the module docstring); accumulation in fp32."""
     # the kernel takes contiguous rows; a bf16 x's .to() is no copy, and a strided view stays strided
-    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()  # [M, in]
+    # (checks, not no-op calls: a small op's dispatch costs µs, and a step makes ~120 of these)
+    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # [M, in]
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
     first, *rest = (torch._weight_int4pack_mm_for_cpu(rows, p.packed, GROUP, p.scales_zeros)
                     for p in w.planes)  # [M, out] bf16 each
     if not rest and x.dtype == torch.bfloat16:  # one plane, bf16 in and out: the kernel's output is the
-        return first.reshape(*x.shape[:-1], w.out_features)  # answer (no fp32 round trip: 2 ops fewer)
+        return first.view(*x.shape[:-1], w.out_features)  # answer (no fp32 round trip: 2 ops fewer)
     out = first.float()
     for plane in rest:  # the planes' sum in fp32
         out += plane
-    return out.to(x.dtype).reshape(*x.shape[:-1], w.out_features)
+    if x.dtype != torch.float32:
+        out = out.to(x.dtype)
+    return out.view(*x.shape[:-1], w.out_features)

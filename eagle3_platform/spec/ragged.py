@@ -80,6 +80,7 @@ class RaggedCache(Cache):
         self._grow_slots(n_max + q)
         self._slots = self.lengths[:, None] + torch.arange(q)  # [B,q]
         self._span = n_max + q
+        self._row0 = int(self.lengths[0])  # row 0's committed tokens: a lone row's write slot, per layer
         self.groups = row_groups(self.lengths.tolist(), q, self.group_overhead)
         return self._span
 
@@ -95,13 +96,13 @@ class RaggedCache(Cache):
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """key/value_states [B,kv,q,hd] -> this layer's keys/values over the span, [B,kv,S,hd]."""
         k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
-        key_states, value_states = key_states.to(k_buf.dtype), value_states.to(v_buf.dtype)
         B, q = self._slots.shape
-        if B == 1:  # one row: a slice write, no index tensors
-            n = int(self.lengths[0])
+        if B == 1:  # one row: a slice write (which converts the dtype), no index tensors
+            n = self._row0
             k_buf[:1, :, n:n + q] = key_states
             v_buf[:1, :, n:n + q] = value_states
         else:  # [B,1] x [B,q] advanced indices around a slice: the value's layout is [B,q,kv,hd]
+            key_states, value_states = key_states.to(k_buf.dtype), value_states.to(v_buf.dtype)
             rows = torch.arange(B)[:, None]
             k_buf[rows, :, self._slots] = key_states.transpose(1, 2)
             v_buf[rows, :, self._slots] = value_states.transpose(1, 2)
