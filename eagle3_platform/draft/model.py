@@ -215,6 +215,11 @@ class Eagle3Draft(nn.Module):
         emb = emb.to(hidden.dtype)
         cos, sin = self.rope(hidden, position_ids)
         q, k, v = self.midlayer.qkv(emb, hidden, cos, sin)
+        return self.midlayer.finish(hidden, self.attend(q, k, v, attn_mask, past_kv)), (k, v)
+
+    def attend(self, q, k, v, attn_mask=None, past_kv=None):
+        """q [B,nh,T,hd] and the new k, v [B,nkv,T,hd] (post-RoPE), after past_kv's entries (see
+        backbone) -> attn [B,nh,T,hd]; a DraftKV past_kv gets k, v written in place."""
         k_all, v_all = k, v
         if hasattr(past_kv, "extend"):  # a buffer with room (spec/drafter.DraftKV): written in place
             k_all, v_all = past_kv.extend(k, v)   # [B,nkv,P+T,hd], maybe in another dtype
@@ -225,14 +230,13 @@ class Eagle3Draft(nn.Module):
         if attn_mask is None and T > 1:  # one query sees every key: no mask needed
             attn_mask = causal_mask(T, k_all.shape[2], q.dtype, q.device)
         if T <= MAX_GROUPED_QUERY:  # drafting: grouped matmuls, no copy of the cache per head
-            attn = grouped_attention(q, k_all, v_all, attn_mask)
-        else:  # a prompt's entries
-            n_rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
-            mask = None if attn_mask is None else attn_mask.to(q.dtype)
-            k_all, v_all = k_all.to(q.dtype), v_all.to(q.dtype)  # exact: they were q's dtype before
-            attn = F.scaled_dot_product_attention(q, repeat_kv(k_all, n_rep), repeat_kv(v_all, n_rep),
-                                                  attn_mask=mask)
-        return self.midlayer.finish(hidden, attn), (k, v)
+            return grouped_attention(q, k_all, v_all, attn_mask)
+        # a prompt's entries
+        n_rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
+        mask = None if attn_mask is None else attn_mask.to(q.dtype)
+        k_all, v_all = k_all.to(q.dtype), v_all.to(q.dtype)  # exact: they were q's dtype before
+        return F.scaled_dot_product_attention(q, repeat_kv(k_all, n_rep), repeat_kv(v_all, n_rep),
+                                              attn_mask=mask)
 
     def logits(self, h):                   # [B,T,H] -> [B,T,Vd]
         return self.lm_head(self.norm(h))

@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 
 from eagle3_platform.spec.config import SpecConfig
+from eagle3_platform.spec.head_forward import head_backbone, head_logits
 from eagle3_platform.spec.tree import Tree, additive_mask
 
 
@@ -176,7 +177,7 @@ class EagleDrafter:
             self.kv = DraftKV.empty(1, c.num_key_value_heads, c.head_dim, t + 256,
                                     self.kv_dtype or d.embed_tokens.weight.dtype)
         self.kv.rewind()
-        h, _ = d.backbone(d.embed(next_tokens[None]), d.project(aux), pos, None, self.kv)  # writes n..n+T-1
+        h, _ = head_backbone(d, next_tokens[None], d.project(aux), pos, None, self.kv)  # writes n..n+T-1
         self.kv.commit()
         self.h_last = h[:, -1:]  # [1,1,H]
 
@@ -218,7 +219,7 @@ class EagleDrafter:
                 allowed[row, n + pool.entry_of[a]] = True
             allowed[row, n + pool.n_entries + row] = True  # itself
         mask = additive_mask(allowed, hidden.dtype)[None, None]  # [1,1,F,n+E+F]
-        return d.backbone(d.embed(ids), hidden, pos, mask, self.kv)
+        return head_backbone(d, ids, hidden, pos, mask, self.kv)
 
     def _expand(self, pool, frontier, h, k):
         """Top-k children per frontier node; the best k (cumulative) become the next frontier."""
@@ -283,7 +284,7 @@ def _draft_chains(d, cfg, past: "DraftKV", allowed, pos, h, steps: int) -> list:
     B = h.shape[0]
     picks, alive, path_logp = [], torch.ones(B, dtype=torch.bool), torch.zeros(B)
     for step in range(1, steps + 1):
-        logits = d.logits(h)[:, -1].float()  # [B,Vd]
+        logits = head_logits(d, h)[:, -1].float()  # [B,Vd]
         pick = logits.argmax(-1)  # [B] draft ids of the depth-`step` nodes
         if cfg.min_draft_prob > 0:
             path_logp += torch.log_softmax(logits, -1).gather(1, pick[:, None])[:, 0]
@@ -296,7 +297,7 @@ def _draft_chains(d, cfg, past: "DraftKV", allowed, pos, h, steps: int) -> list:
             allowed = torch.cat([allowed, torch.ones(B, 1, dtype=torch.bool)], 1)  # [B,P+s]
             mask = additive_mask(allowed[:, None, None, :], h.dtype)  # [B,1,1,P+s]
         ids = d.to_target_ids(pick)[:, None]  # [B,1]
-        h, _ = d.backbone(d.embed(ids), h, (pos - 1 + step)[:, None], mask, past)
+        h, _ = head_backbone(d, ids, h, (pos - 1 + step)[:, None], mask, past)
     return picks
 
 
@@ -329,8 +330,7 @@ def _append_queued_many(drafters: list[EagleDrafter]) -> None:
     causal = (j[None, :] <= j[:, None]) & ((j[None, None, :] < T[:, None, None]) | (j[None, :] == j[:, None]))
     allowed = torch.cat([prefix[:, None, :].expand(B, Tm, -1), causal], dim=2)  # [B,Tm,P+Tm]
     pos = start[:, None] + j[None, :]  # [B,Tm]; a padding entry's position is never read
-    h, (k, v) = d.backbone(d.embed(toks), d.project(aux), pos, additive_mask(allowed[:, None], aux.dtype),
-                           past)
+    h, (k, v) = head_backbone(d, toks, d.project(aux), pos, additive_mask(allowed[:, None], aux.dtype), past)
     for b, x in enumerate(short):
         t = int(T[b])
         x.kv.extend(k[b:b + 1, :, :t], v[b:b + 1, :, :t])
@@ -355,7 +355,7 @@ def _padded_past(drafters: list[EagleDrafter], room: int) -> tuple[DraftKV, torc
 
 def _log_probs(draft, h):
     """[1,T,H] -> [T,Vd] fp32 log-probs over the draft vocab."""
-    return torch.log_softmax(draft.logits(h)[0].float(), dim=-1)
+    return torch.log_softmax(head_logits(draft, h)[0].float(), dim=-1)
 
 
 class _Pool:

@@ -145,8 +145,9 @@ class _Layer:
 def _norm(module):
     """A Llama RMSNorm's forward; an fp32 one as torch's rms_norm, the same ops (mean of squares, rsqrt,
     two products: bitwise the same output) dispatched from C++, without the forward's no-op casts
-    (~10 µs a call of ~29 here; a step makes 61)."""
-    weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
+    (~10 µs a call of ~29 here; a step makes 61). Also the draft head's RMSNorm (draft/model.py: `eps`)."""
+    weight = getattr(module, "weight", None)
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
     if weight is None or eps is None or weight.dtype != torch.float32:
         return module.forward
     shape = tuple(weight.shape)
