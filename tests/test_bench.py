@@ -199,7 +199,7 @@ def test_sweep_cells_carry_server_histograms(tmp_path, prompts_file, monkeypatch
     monkeypatch.setattr(run, "server_info", info)
     monkeypatch.setattr(run, "run_locust", lambda *a, **k: [dict(rec)])
     res = run.run_benchmark("http://x", prompts_file, concurrency=[1], duration_s=1,
-                            out_dir=tmp_path, warmup=False, write_report=False)
+                            out_dir=tmp_path, warmup_requests=0, write_report=False)
     cells = res["runs"][0]["cells"]
     assert cells["all"]["draft_size_hist"] == {"1": 1, "3": 3}
     assert cells["all"]["mean_draft_size"] == pytest.approx(2.5)
@@ -224,11 +224,41 @@ def test_the_endpoint_that_goes_first_alternates_by_level(tmp_path, prompts_file
     monkeypatch.setattr(run, "server_info", lambda url, key: None)
     monkeypatch.setattr(run, "run_locust", locust)
     res = run.run_benchmark("http://e", prompts_file, concurrency=[1, 2, 4], duration_s=1, out_dir=tmp_path,
-                            baseline_url="http://b", warmup=False, write_report=False)
+                            baseline_url="http://b", warmup_requests=0, write_report=False)
     assert order == [("baseline", 1), ("eagle3", 1), ("eagle3", 2), ("baseline", 2), ("baseline", 4),
                      ("eagle3", 4)]
     assert [(r["endpoint"], r["concurrency"]) for r in rows(res)] == [
         ("baseline", 1), ("eagle3", 1), ("baseline", 2), ("eagle3", 2), ("baseline", 4), ("eagle3", 4)]
+
+
+def test_each_endpoint_serves_its_warm_up_requests_before_the_first_cell(tmp_path, prompts_file, monkeypatch):
+    """Warm-up: n requests per endpoint, one at a time, at the sweep's max_tokens, the prompts cycled,
+    all before any measured cell; recorded in the results' config."""
+    from eagle3_platform.bench import run
+
+    events = []
+
+    class Response:
+        status_code, text = 200, ""
+
+    def post(url, json, headers, timeout):
+        events.append(("warm", url.split("/v1")[0], json["max_tokens"], json["messages"][-1]["content"]))
+        return Response()
+
+    monkeypatch.setattr(run.httpx, "post", post)
+    monkeypatch.setattr(run, "server_info", lambda url, key: None)
+    monkeypatch.setattr(run, "run_locust", lambda url, label, c, *a, **k: events.append(("cell", label, c)) or [])
+    res = run.run_benchmark("http://e", prompts_file, concurrency=[1], duration_s=1, out_dir=tmp_path,
+                            baseline_url="http://b", max_tokens=7, warmup_requests=4, write_report=False)
+    warm = [e for e in events if e[0] == "warm"]
+    assert events[:8] == warm and [e[0] for e in events[8:]] == ["cell", "cell"]
+    assert [e[1] for e in warm] == ["http://b"] * 4 + ["http://e"] * 4 and {e[2] for e in warm} == {7}
+    sent = [e[3] for e in warm[:4]]
+    assert len(set(sent[:3])) == 3 and sent[3] == sent[0]  # three prompts, cycled
+    assert res["config"]["warmup_requests"] == 4
+    with pytest.raises(ValueError, match="warmup_requests"):
+        run.run_benchmark("http://e", prompts_file, concurrency=[1], duration_s=1, out_dir=tmp_path,
+                          warmup_requests=-1, write_report=False)
 
 
 def _check_results(res, out, endpoints):

@@ -30,21 +30,27 @@ def add_commands(sub) -> None:
                    help="seconds in-flight requests may finish after each run (default: duration)")
     p.add_argument("--max-prompt-chars", type=int, default=None,
                    help="leave out prompts longer than this (characters of the sent turns)")
-    p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--warmup-requests", type=int, default=None,
+                   help="requests each endpoint serves, one at a time, before the sweep (not measured; "
+                        "default: bench.run.WARMUP_REQUESTS)")
+    p.add_argument("--no-warmup", action="store_true", help="the same as --warmup-requests 0")
     p.set_defaults(func=bench)
 
 
 def bench(a) -> dict:
-    from eagle3_platform.bench.run import run_benchmark
+    from eagle3_platform.bench.run import WARMUP_REQUESTS, run_benchmark
 
     output_dir(a.out)
     require_positive(max_tokens=a.max_tokens, duration=a.duration)
+    warmup = 0 if a.no_warmup else WARMUP_REQUESTS if a.warmup_requests is None else a.warmup_requests
+    if warmup < 0:
+        raise ValueError(f"--warmup-requests must be >= 0, not {warmup}")
     if not os.path.exists(a.prompts):
         raise FileNotFoundError(f"prompts file not found: {a.prompts}")
     res = run_benchmark(a.url, a.prompts, concurrency=_ints(a.concurrency), duration_s=a.duration,
                         out_dir=a.out, baseline_url=a.baseline_url,
                         api_key=a.api_key or os.environ.get("EAGLE3_API_KEY"),
                         max_tokens=a.max_tokens, stop_timeout_s=a.stop_timeout,
-                        warmup=not a.no_warmup, max_prompt_chars=a.max_prompt_chars)
+                        warmup_requests=warmup, max_prompt_chars=a.max_prompt_chars)
     return {"out": a.out, "headline": res["headline"], "report": res["files"]["markdown"],
             "html": res["files"]["html"], "results": res["files"]["results"]}

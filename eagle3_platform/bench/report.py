@@ -123,7 +123,9 @@ def markdown(results: dict, plots: list[str]) -> str:
     lines = ["# EAGLE-3 benchmark report", "",
              f"Prompts: `{cfg['prompts']}` ({cfg['n_prompts']} records; workloads: "
              f"{', '.join(cfg['workloads'])}); max_tokens {cfg['max_tokens']}; "
-             f"{cfg['duration_s']} s per cell; concurrency {cfg['concurrency']}.", "",
+             f"{cfg['duration_s']} s per cell; concurrency {cfg['concurrency']}; "
+             f"{cfg.get('warmup_requests', 0)} warm-up requests per endpoint before the sweep (not measured).",
+             "",
              "Endpoints: " + ", ".join(f"{k} = {v}" for k, v in cfg["endpoints"].items()), "",
              "## Headline", ""]
     for k, v in h.items():

@@ -27,7 +27,13 @@ from eagle3_platform.records import read_jsonl, write_jsonl_atomic
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 ALL = "all"
 INFO_TIMEOUT_S = 10.0
-WARMUP_TOKENS = 8
+# Requests each endpoint serves before its first measured cell, one at a time at the sweep's
+# max_tokens: lazy initialisation, and the EAGLE-3 server's draft-size policy's first exploration at
+# batch 1 (spec/policy.py: it starts drafting at its largest size and learns down). A fresh policy over
+# one c = 1 cell's 12 requests decoded 0.94x plain decoding's tok/s, the same policy after 4 requests
+# 1.02x (demo head, in process, 3 rounds; ~/.cache/eagle3-runs/s59/transient.py): unwarmed, the c = 1
+# cell measured the policy's start, not the server a user keeps running.
+WARMUP_REQUESTS = 4
 
 
 @dataclass(frozen=True)
@@ -36,7 +42,7 @@ class BenchConfig:
     duration_s: int = 30
     max_tokens: int = 64
     stop_timeout_s: int | None = None   # in-flight requests may finish; None = duration_s
-    warmup: bool = True
+    warmup_requests: int = WARMUP_REQUESTS  # per endpoint, before the sweep, not measured (0 = none)
     slack_s: int = 120                  # Locust start-up/shut-down allowance on a busy machine
     # Prompts longer than this (characters of the sent turns) are left out, so a small context
     # (tiny target: 2048) or a slow CPU prefill does not turn the sweep into a prefill benchmark.
@@ -71,17 +77,20 @@ def server_info(url: str, api_key: str | None) -> dict | None:
     return None
 
 
-def warm_up(url: str, api_key: str | None, messages: list[dict]) -> None:
-    """One short request so lazy initialisation is not billed to the first measured cell."""
+def warm_up(url: str, api_key: str | None, rows: list[dict], n: int, max_tokens: int) -> None:
+    """n requests, one at a time (the rows' prompts in order, cycled), so lazy initialisation and a
+    policy's first exploration are not billed to the first measured cell (WARMUP_REQUESTS)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    body = {"messages": messages, "max_tokens": WARMUP_TOKENS, "temperature": 0.0}
-    try:
-        r = httpx.post(url.rstrip("/") + "/v1/chat/completions", json=body, headers=headers,
-                       timeout=600)
-    except httpx.HTTPError as e:
-        raise ValueError(f"cannot reach {url}: {type(e).__name__}: {e}") from None
-    if r.status_code != 200:
-        raise RuntimeError(f"warm-up request to {url} failed: HTTP {r.status_code} {r.text[:300]}")
+    for i in range(n):
+        body = {"messages": prompt_messages(rows[i % len(rows)]), "max_tokens": max_tokens,
+                "temperature": 0.0}
+        try:
+            r = httpx.post(url.rstrip("/") + "/v1/chat/completions", json=body, headers=headers,
+                           timeout=600)
+        except httpx.HTTPError as e:
+            raise ValueError(f"cannot reach {url}: {type(e).__name__}: {e}") from None
+        if r.status_code != 200:
+            raise RuntimeError(f"warm-up request to {url} failed: HTTP {r.status_code} {r.text[:300]}")
 
 
 def locust_command(url: str, concurrency: int, cfg: BenchConfig, csv_prefix: Path) -> list[str]:
@@ -140,7 +149,7 @@ def run_benchmark(url: str, prompts_path: str | Path, concurrency=(1, 2, 4, 8),
                   baseline_url: str | None = None, api_key: str | None = None,
                   workload_of_prompt: Callable[[dict], str] = default_workload,
                   max_tokens: int = 64, stop_timeout_s: int | None = None,
-                  warmup: bool = True, write_report: bool = True,
+                  warmup_requests: int = WARMUP_REQUESTS, write_report: bool = True,
                   max_prompt_chars: int | None = None) -> dict:
     """Sweep concurrency on each endpoint; returns (and writes) results.json's content."""
     out_dir = Path(out_dir)
@@ -155,13 +164,17 @@ def run_benchmark(url: str, prompts_path: str | Path, concurrency=(1, 2, 4, 8),
     write_jsonl_atomic(prompts_path, rows)
     wl = [workload_of_prompt(r) for r in rows]
     cfg = BenchConfig(concurrency=tuple(int(c) for c in concurrency), duration_s=int(duration_s),
-                      max_tokens=int(max_tokens), stop_timeout_s=stop_timeout_s, warmup=warmup)
+                      max_tokens=int(max_tokens), stop_timeout_s=stop_timeout_s,
+                      warmup_requests=int(warmup_requests))
     if any(c < 1 for c in cfg.concurrency) or cfg.duration_s < 1 or cfg.max_tokens < 1:
         raise ValueError("concurrency, duration and max_tokens must be >= 1")
+    if cfg.warmup_requests < 0:
+        raise ValueError(f"warmup_requests must be >= 0, not {cfg.warmup_requests}")
     endpoints = ([("baseline", baseline_url)] if baseline_url else []) + [("eagle3", url)]
-    if warmup:
-        for _, u in endpoints:
-            warm_up(u, api_key, prompt_messages(rows[0]))
+    for label, u in endpoints if cfg.warmup_requests else ():
+        print(f"[bench] {label}: {cfg.warmup_requests} warm-up requests of {cfg.max_tokens} tokens …",
+              file=sys.stderr, flush=True)
+        warm_up(u, api_key, rows, cfg.warmup_requests, cfg.max_tokens)
     servers = {label: server_info(u, api_key) for label, u in endpoints}
     runs = []
     for level, c in enumerate(cfg.concurrency):
@@ -190,7 +203,8 @@ def run_benchmark(url: str, prompts_path: str | Path, concurrency=(1, 2, 4, 8),
                   f"median_tpot_ms={_ms(a['median_tpot_s'])} tok/s={_fmt(a['output_tok_per_s'])} "
                   f"tau={_fmt(a['tau'])}", file=sys.stderr, flush=True)
     results = {"config": {"concurrency": list(cfg.concurrency), "duration_s": cfg.duration_s,
-                          "max_tokens": cfg.max_tokens, "prompts": str(source),
+                          "max_tokens": cfg.max_tokens, "warmup_requests": cfg.warmup_requests,
+                          "prompts": str(source),
                           "n_prompts": len(rows), "prompts_skipped_too_long": skipped,
                           "max_prompt_chars": max_prompt_chars, "workloads": sorted(set(wl)),
                           "endpoints": {k: v for k, v in endpoints}},
