@@ -119,8 +119,21 @@ def test_a_new_batch_size_starts_from_its_neighbours_choice_not_a_full_draft():
     _simulate(p, 8, lambda k: 0.09 * (1 + 1.5 * k), accept_depth=1, steps=60)
     assert p.best(8) == 0
     first = _simulate(p, 16, lambda k: 0.19 * (1 + 1.5 * k), accept_depth=1, steps=20)
-    assert first[:2] == [0, 1] and max(first) <= 1
+    assert first == [0] * 20  # batch 8 decodes plainly: more rows never draft (the cap)
     assert p.choose(3) == 0  # bucket 4: nearest measured is 8 (or 1/2 if they were), not k_max
+
+
+def test_more_rows_never_draft_more_than_fewer_rows_chose():
+    """The cap: batch 1 settled on plain decoding (a weak head), so batch 2 decodes plainly too, even
+    on a machine where its drafts would look cheap, and re-measures nothing; once batch 1 chooses to
+    draft 2, batch 2 may explore up to 2 and no further."""
+    p = DraftSizePolicy(k_max=4)
+    _simulate(p, 1, lambda k: 0.03 * (1 + 1.5 * k), accept_depth=0, steps=60)
+    assert p.best(1) == 0 and p.cap(2) == 0 and p.cap(1) == 4
+    assert _simulate(p, 2, lambda k: 0.04 + 0.001 * k, accept_depth=4, steps=80) == [0] * 80
+    p._incumbent[1] = 2  # batch 1's choice moved up (its own re-measures would do this)
+    later = _simulate(p, 2, lambda k: 0.04 + 0.001 * k, accept_depth=4, steps=80)
+    assert max(later) == 2 and later[-20:].count(2) >= 18 and p.cap(4) == 2
 
 
 def test_a_size_far_outside_the_measured_ones_is_not_chosen_on_extrapolation():

@@ -62,7 +62,8 @@ only push the choice toward plain decoding, and a re-measure brings it back.
 Exploration: a bucket seen for the first time starts from the best k of the nearest measured bucket
 (k_max on the very first step), then, while the drafts' depth has not varied there, a neighbouring
 size, which gives the line a second point; a size is only chosen within one of the sizes measured in
-its bucket, so the range widens step by step. A neighbour of the best k is measured again after
+its bucket, so the range widens step by step, and never above what the nearest smaller bucket chose
+(DraftSizePolicy.cap: more rows never draft more than fewer rows found worth it). A neighbour of the best k is measured again after
 `explore_every` steps of a bucket, so the choice follows the load and the acceptance. A neighbour
 predicted more than CLOSE_RATE slower doubles the wait before the next re-measure (up to
 MAX_EXPLORE_GAP steps); a change of choice resets it. Why back off: where one size
@@ -196,8 +197,20 @@ class DraftSizePolicy:
                 k = min(1, self.k_max) if self._steps[b] % self.explore_every == 0 else 0
         else:
             k = self._best_or_re_measure(b, batch_size)
-        self.current = k
+        self.current = k = min(k, self.cap(b))
         return k
+
+    def cap(self, b: int) -> int:
+        """The largest draft size bucket b may choose: the choice of the nearest smaller bucket that has
+        made one (k_max where none has). A verify's cost per sequence only grows with the batch while
+        acceptance does not, so where fewer rows decode plainly (or draft k), more rows gain nothing from
+        drafting more, and exploring it costs them. The server's worker in process (demo head, fp32, 2
+        cores, the report's prompts, 4 warm-up requests, then 20 s cells at C = 1, 2, 4, 8; 3 rounds,
+        ~/.cache/eagle3-runs/s59/sweep_cap.py): drafted steps at C = 4-8 1-1.5% with the cap, 2-8%
+        without; output tok/s against the baseline server 1.153 / 0.967 / 0.855 / 1.082 with it,
+        1.118 / 0.975 / 0.855 / 0.968 without (cells spread ±10-15%)."""
+        smaller = [s for s in list(self._incumbent) if s < b]
+        return self._incumbent[max(smaller)] if smaller else self.k_max
 
     def _best_or_re_measure(self, b: int, batch_size: int) -> int:
         if b not in self.plain:  # what every size must beat: measured before a choice is trusted
@@ -211,7 +224,7 @@ class DraftSizePolicy:
         self._re_measures[b] += 1
         side = 1 if self._re_measures[b] % 2 else -1  # alternate sides, the longer draft first
         side = 1 if k == 0 else -1 if k == self.k_max else side  # at an end: its one neighbour
-        other, rates = min(self.k_max, max(0, k + side)), self.rates(batch_size)
+        other, rates = min(self.cap(b), max(0, k + side)), self.rates(batch_size)
         if k >= 2 and b in self._plain_lookups and self._re_measures[b] % 3 == 0:
             other = 0  # plain decoding's worth moves with its lookup matches: a neighbour of every size
         if rates.get(other, 0.0) < rates[k] * (1 - CLOSE_RATE):  # clearly worse: wait longer next time
@@ -254,7 +267,7 @@ class DraftSizePolicy:
             return {}
         lo, hi = self.caps[b]
         cost = {k: line.predict(self.depth(k, batch_size))
-                for k in range(max(0, lo - 1), min(self.k_max, hi + 1) + 1)}
+                for k in range(max(0, lo - 1), min(self.cap(b), hi + 1) + 1)}
         plain_cost = (self.plain if plain is None else plain).get(b)
         charge = self.prompt_charge.get(b, 0.0)  # what drafting spends on new prompts, per step
         cost = {k: c + (charge if k else 0.0) for k, c in cost.items()}
@@ -266,7 +279,7 @@ class DraftSizePolicy:
     def best(self, batch_size: int, lines: dict | None = None, plain: dict | None = None) -> int:
         rates = self.rates(batch_size, lines, plain)
         if not rates:
-            return self.k_max
+            return self.cap(_bucket(batch_size))
         k = max(rates, key=rates.get)
         kept = self._incumbent.get(_bucket(batch_size))
         if kept is not None and rates[k] <= rates[kept] * (1 + SWITCH_MARGIN):
