@@ -134,6 +134,9 @@ def test_more_rows_never_draft_more_than_fewer_rows_chose():
     p._incumbent[1] = 2  # batch 1's choice moved up (its own re-measures would do this)
     later = _simulate(p, 2, lambda k: 0.04 + 0.001 * k, accept_depth=4, steps=80)
     assert max(later) == 2 and later[-20:].count(2) >= 18 and p.cap(4) == 2
+    p._incumbent[1] = 0  # batch 1 back to plain decoding: batch 2's choice of 2 is above its cap now
+    assert _simulate(p, 2, lambda k: 0.04 + 0.001 * k, accept_depth=4, steps=20) == [0] * 20
+    assert p.best(2) == 0 and p.info()["draft_size_by_batch"]["2"] == 0
 
 
 def test_a_size_far_outside_the_measured_ones_is_not_chosen_on_extrapolation():

@@ -281,8 +281,8 @@ class DraftSizePolicy:
         if not rates:
             return self.cap(_bucket(batch_size))
         k = max(rates, key=rates.get)
-        kept = self._incumbent.get(_bucket(batch_size))
-        if kept is not None and rates[k] <= rates[kept] * (1 + SWITCH_MARGIN):
+        kept = self._incumbent.get(_bucket(batch_size))  # not a candidate once the cap fell below it
+        if kept in rates and rates[k] <= rates[kept] * (1 + SWITCH_MARGIN):
             return kept
         return k
 
