@@ -20,9 +20,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 PAST = 20  # committed draft entries before the forward
 
 
-def _head(kind: str, dtype=torch.float32):
+def _head(kind: str):
     target = varied_target(None, VariedTargetConfig(vocab_size=96))
-    draft = random_draft(target, 64).cast_parameters(dtype)
+    draft = random_draft(target, 64)
     if kind == "packed":
         if not packing_available():
             pytest.skip("no oneDNN")

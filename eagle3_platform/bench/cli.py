@@ -43,8 +43,6 @@ def bench(a) -> dict:
     output_dir(a.out)
     require_positive(max_tokens=a.max_tokens, duration=a.duration)
     warmup = 0 if a.no_warmup else WARMUP_REQUESTS if a.warmup_requests is None else a.warmup_requests
-    if warmup < 0:
-        raise ValueError(f"--warmup-requests must be >= 0, not {warmup}")
     if not os.path.exists(a.prompts):
         raise FileNotFoundError(f"prompts file not found: {a.prompts}")
     res = run_benchmark(a.url, a.prompts, concurrency=_ints(a.concurrency), duration_s=a.duration,
