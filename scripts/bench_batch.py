@@ -34,7 +34,7 @@ from eagle3_platform.data.chat import render_prompt  # noqa: E402
 from eagle3_platform.spec.config import get_preset  # noqa: E402
 from eagle3_platform.spec.engine import SpecEngine  # noqa: E402
 from eagle3_platform.spec.eval import first_turn  # noqa: E402
-from eagle3_platform.spec.policy import DraftSizePolicy, observe_step  # noqa: E402
+from eagle3_platform.spec.policy import DraftSizePolicy, policy_step  # noqa: E402
 from eagle3_platform.target import load_target  # noqa: E402
 
 
@@ -46,10 +46,7 @@ def run_engine(engine, prompts, max_new, draft_size=None, policy=None):
     outs = {r: batch.prefill(r, None) for r in reqs}
     steps, sizes = 0, []
     while batch.rows:
-        k = policy.choose(len(batch.rows)) if policy is not None else draft_size
-        out = batch.step(k)
-        if policy is not None:
-            observe_step(policy, batch, k, out)
+        k, out = policy_step(policy, batch, draft_size)
         for r, toks in out:
             outs[r] += toks
         steps, sizes = steps + len(out), sizes + [k or 0]

@@ -58,7 +58,7 @@ from eagle3_platform.records import write_json_atomic  # noqa: E402
 from eagle3_platform.spec.config import HEAD_WEIGHTS, PRESETS, SpecConfig, get_preset  # noqa: E402
 from eagle3_platform.spec.engine import SpecEngine  # noqa: E402
 from eagle3_platform.spec.eval import first_turn, load_prompts  # noqa: E402
-from eagle3_platform.spec.policy import DraftSizePolicy, observe_step  # noqa: E402
+from eagle3_platform.spec.policy import DraftSizePolicy  # noqa: E402
 from eagle3_platform.target import load_target  # noqa: E402
 
 MTBENCH_PER_CATEGORY = 10  # MT-bench lists 8 categories x 10 questions in order
@@ -85,28 +85,14 @@ def hf_method(target, eos_ids, target_threads=None, **kw):
     return run
 
 
-def engine_method(engine, max_draft_tokens: int | None = None):
+def engine_method(engine, max_draft_tokens: int | None = None, policy: DraftSizePolicy | None = None):
     """max_draft_tokens: every step's draft cap (None: the preset's; 0: a server's draft size 0, plain
-    steps that verify the request's prompt-lookup match, spec/batch.py; the head only queues)."""
+    steps that verify the request's prompt-lookup match, spec/batch.py; the head only queues).
+    policy: each step's cap chosen by it and told what it cost, one policy learning across the
+    prompts (a server's worker at batch 1, spec/policy.py)."""
     def run(ids, max_new):
-        tokens, stats = engine.generate(ids, max_new, max_draft_tokens=max_draft_tokens)
+        tokens, stats = engine.generate(ids, max_new, max_draft_tokens=max_draft_tokens, policy=policy)
         return tokens, dict(stats)
-    return run
-
-
-def policy_method(engine, policy: DraftSizePolicy):
-    """A request alone, each step at the draft size `policy` chooses and told what it cost (a server's
-    worker at batch 1, spec/policy.observe_step)."""
-    def run(ids, max_new):
-        batch = engine.batch()
-        r = batch.open(ids, max_new)
-        tokens = list(batch.prefill(r, max_tokens=None))
-        while not r.done:
-            k = policy.choose(1)
-            rows = batch.step(k)
-            observe_step(policy, batch, k, rows)
-            tokens += rows[0][1]
-        return tokens, dict(batch.close(r))
     return run
 
 
@@ -174,7 +160,8 @@ def build_methods(target, draft, args, refs: dict, bf16_target=None, stock_targe
                           lookup_tokens=args.lookup_tokens[0] if args.lookup_tokens else 0)
             name = f"eagle3_{args.spec[0]}" + (f"_lookup{cfg.lookup_tokens}" if cfg.lookup_tokens else "")
             engine = SpecEngine(target, draft, cfg, tt, args.draft_threads[0])
-            methods[f"{name}_policy"] = policy_method(engine, DraftSizePolicy(cfg.num_draft_tokens - 1))
+            policy = DraftSizePolicy(cfg.num_draft_tokens - 1)
+            methods[f"{name}_policy"] = engine_method(engine, policy=policy)
         for n in args.lookup_tokens:  # the lookup branch alone, the head's drafts off (draft size 0)
             cfg = replace(get_preset(args.spec[0]), head_weights=args.head_weights[0], lookup_tokens=n)
             methods[f"lookup{n}_plain"] = engine_method(SpecEngine(target, draft, cfg, tt), max_draft_tokens=0)

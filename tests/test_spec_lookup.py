@@ -255,6 +255,22 @@ def test_generate_at_draft_size_0_verifies_the_lookup_branch_alone(target, refs,
     assert decoded > steps
 
 
+def test_generate_with_a_policy_chooses_every_step_and_tells_it_the_outcome(target, refs):
+    """engine.generate(policy=...) (bench_decode.py's `_policy` row, a server's worker at batch 1): the
+    policy chooses each step's draft size and observes every step, one policy across requests, and
+    greedy output is target greedy decoding whatever it chose."""
+    from eagle3_platform.spec.policy import DraftSizePolicy
+
+    engine = SpecEngine(target, random_draft(target, 64), replace(PRESETS["chain"], lookup_tokens=8))
+    policy, steps = DraftSizePolicy(k_max=engine.cfg.num_draft_tokens - 1), 0
+    for p in PROMPTS + [LONG]:
+        out, stats = engine.generate(_ids(target, p), MAX_NEW, policy=policy)
+        assert out == refs[p], p
+        steps += stats["verify_steps"]
+    assert sum(policy.hist.values()) == steps  # every verify step chosen and observed
+    assert len(policy.hist) > 1 and 1 in policy.plain  # it explored, plain decoding measured at batch 1
+
+
 def test_the_worker_counts_plain_steps_that_verified_a_match_and_times_them(target, refs):
     """A plain step that verified a lookup match is still plain decoding (no head forward): the policy
     gets its time and its accepted tokens, as from any plain step (policy.py credits them to draft

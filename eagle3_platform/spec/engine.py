@@ -32,6 +32,7 @@ from eagle3_platform.spec.config import PRESETS, SpecConfig
 from eagle3_platform.spec.drafter import EagleDrafter
 from eagle3_platform.spec.forward import mixed_forward, step_forward, supports
 from eagle3_platform.spec.lookup import LookupDrafter
+from eagle3_platform.spec.policy import DraftSizePolicy, policy_step
 
 
 class SpecEngine:
@@ -77,18 +78,23 @@ class SpecEngine:
 
     def generate(self, input_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                  stop: Sequence[str] = (), seed: int | None = None,
-                 max_draft_tokens: int | None = None) -> tuple[list[int], dict]:
+                 max_draft_tokens: int | None = None,
+                 policy: DraftSizePolicy | None = None) -> tuple[list[int], dict]:
         tokens: list[int] = []
-        for chunk in self.stream(input_ids, max_new_tokens, temperature, stop, seed, max_draft_tokens):
+        for chunk in self.stream(input_ids, max_new_tokens, temperature, stop, seed, max_draft_tokens,
+                                 policy):
             tokens += chunk
         return tokens, self.last_stats
 
     def stream(self, input_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                stop: Sequence[str] = (), seed: int | None = None,
-               max_draft_tokens: int | None = None) -> Iterator[list[int]]:
+               max_draft_tokens: int | None = None,
+               policy: DraftSizePolicy | None = None) -> Iterator[list[int]]:
         """One request alone: yields chunks of accepted tokens (each verify step's accepted + bonus).
         max_draft_tokens: every step's draft cap, as a server's policy sets it (Batch.step; None =
-        the config; 0 = plain decoding that still verifies a prompt-lookup match)."""
+        the config; 0 = plain decoding that still verifies a prompt-lookup match). policy: a
+        DraftSizePolicy choosing each step's cap instead and learning from it, as a server's worker
+        at batch 1 (policy.py)."""
         batch = self.batch()
         r = batch.open(input_ids, max_new_tokens, temperature, stop, seed)
         try:
@@ -98,7 +104,7 @@ class SpecEngine:
                     yield out
                 if r.done:
                     break
-                [(_, out)] = batch.step(max_draft_tokens)
+                _, [(_, out)] = policy_step(policy, batch, max_draft_tokens)
         finally:
             self.last_stats = batch.close(r)
 

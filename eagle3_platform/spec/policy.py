@@ -401,6 +401,19 @@ class DraftSizePolicy:
         return self.best(nearest)
 
 
+def policy_step(policy: DraftSizePolicy | None, batch,
+                draft_size: int | None = None) -> tuple[int | None, list]:
+    """One step of `batch`'s running rows at the draft size `policy` chooses for their number, the
+    policy then told what it cost and accepted (observe_step); without a policy, at `draft_size`
+    (Batch.step's cap). -> (the size, the step's (request, tokens) rows). A server's worker does the
+    same around steps that may carry prompt chunks (serve/worker.py)."""
+    k = policy.choose(len(batch.rows)) if policy is not None else draft_size
+    rows = batch.step(k)
+    if policy is not None:
+        observe_step(policy, batch, k, rows)
+    return k, rows
+
+
 def observe_step(policy: DraftSizePolicy, batch, k: int, rows: list, timed: bool = True) -> None:
     """Tell `policy` what the step `batch` just ran at draft size k cost and accepted, as a server
     does: rows = the (request, tokens) of its running rows; timed=False where the step did other
