@@ -1,7 +1,7 @@
 """The decode benchmarks (`scripts/bench_decode.py`, `scripts/bench_batch.py`, `scripts/bench_serve.py`) run
 end to end on the tiny target with a random exported head: every method named by the flags gets a row,
 and in fp32 every speculative row emits exactly plain greedy decoding's tokens (the scripts' own
-agreement figures)."""
+agreement figures). `scripts/bench_regen.py` compares like with like: both paths answer every prompt."""
 from __future__ import annotations
 
 import json
@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 import bench_batch  # noqa: E402
 import bench_decode  # noqa: E402
+import bench_regen  # noqa: E402
 import bench_serve  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -43,6 +44,28 @@ def test_bench_decode_rows_and_fp32_agreement(tiny_target_dir, random_head_expor
         assert f["tok_s_median"] > 0 and f["tau"] >= 1.0, name
         assert f["token_agreement"] == 1.0, name  # fp32: greedy speculation is exact
     assert figures["oracle_chain"]["tau"] > figures["eagle3_chain"]["tau"]  # a random head rarely hits
+
+
+def test_bench_regen_answers_every_prompt_on_both_paths_despite_a_preset_time_budget(
+        tiny_target_dir, tmp_path, monkeypatch):
+    """A preset's time budget would end the slower path's run early (the demo's 45 s cut the reference
+    path's on a box without bf16, so its rate was over less work): the bench lifts it, and both paths
+    answer the same prompts in full."""
+    from dataclasses import replace
+
+    from eagle3_platform.data.regenerate import PRESETS
+
+    monkeypatch.setitem(bench_regen.PRESETS, "tiny", replace(PRESETS["tiny"], time_budget_s=1e-6))
+    out = tmp_path / "br.json"
+    bench_regen.main(["--target", str(tiny_target_dir), "--prompts", "6", "--preset", "tiny",
+                      "--max-new-tokens", "6", "--repeats", "1", "--out", str(out)])
+    result = json.loads(out.read_text())
+    written, rejected = result["written"], result["rejected"]
+    assert written["tiny_path"] == written["turn1_demo_path"] > 0  # the same prompts answered on both paths
+    assert rejected["tiny_path"] == rejected["turn1_demo_path"]  # e.g. too long for the tiny target
+    assert not any("budget" in reason for r in rejected.values() for reason in r)  # none left unasked
+    assert all(n > 0 for n in result["new_tokens"].values())
+    assert all(r > 0 for r in result["tok_per_s_median"].values())
 
 
 def test_bench_batch_rows_and_fp32_invariance(tiny_target_dir, random_head_export, tmp_path):
