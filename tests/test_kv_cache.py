@@ -268,6 +268,34 @@ def test_an_fp32_cache_is_attended_over_its_spans_as_given(q_len, monkeypatch):
                                    atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows,q_len,bias_kind", [(1, 1, "none"), (1, 5, "tree"), (3, 2, "shared"),
+                                                   (3, 2, "per_row")])
+def test_fp32_attention_with_a_shared_bias_takes_the_flat_path_and_matches_sdpa(rows, q_len, bias_kind,
+                                                                                monkeypatch):
+    """Over an fp32 cache, no bias or one bias for every row (a request alone, its verify tree, the
+    head's drafting) goes through _attend_flat (3D products, scale and bias in the first); a bias per
+    row keeps the 4D path. Both equal sdpa over copied key heads."""
+    from eagle3_platform import attention
+
+    H, kv, S, d = 6, 2, 40, 16
+    g = torch.Generator().manual_seed(rows * 10 + q_len)
+    buf_k, buf_v = torch.randn(rows, kv, S + 8, d, generator=g), torch.randn(rows, kv, S + 8, d, generator=g)
+    k, v = buf_k[:, :, :S], buf_v[:, :, :S]  # a view, as a cache's
+    q = torch.randn(rows, H, q_len, d, generator=g)
+    allowed = torch.rand(1 if bias_kind in ("tree", "shared") else rows, 1, q_len, S, generator=g) < 0.7
+    allowed[..., 0] = True
+    mask = None if bias_kind == "none" else allowed
+    flat, real = [], attention._attend_flat
+    monkeypatch.setattr(attention, "_attend_flat", lambda *a: flat.append(a[1].shape[0]) or real(*a))
+    got = attention.grouped_attention(q, k, v, mask)
+    assert flat == ([] if bias_kind == "per_row" else [rows])
+    rep = H // kv
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+        attn_mask=None if mask is None else mask.expand(rows, 1, q_len, S))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_attention_never_reads_past_a_view_of_other_tensors(monkeypatch):
     """Only cache_buffer()s are known to hold finite spare slots: a view of any other tensor is
     attended as given, even with NaN past its end."""
