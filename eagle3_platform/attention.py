@@ -179,7 +179,7 @@ def _attend_flat(query, key, value, bias, scale: float):
     if bias is None:
         scores = torch.bmm(qg, keys_t).mul_(scale)
     else:
-        scores = torch.baddbmm(bias[0], qg, keys_t, alpha=scale)  # [B*kv,r*q,S]; bias[0] [1,r*q,S] broadcast
+        scores = torch.baddbmm(bias[0], qg, keys_t, alpha=scale)  # [B*kv,r*q,S]; bias[0] [1,r*q|1,S] broadcast
     weights = torch.softmax(scores, dim=-1)
     return torch.bmm(weights, value.reshape(B * kv, S, d)).view(B, H, q, d)
 
