@@ -9,9 +9,11 @@ eager). Verifying a draft (a few query tokens under a tree mask) is grouped the 
 copy every key/value head first. Maskless multi-token queries (causal prefill) go to sdpa unchanged.
 
 Rows of a continuous batch have different lengths (spec/ragged.py). Given `row_groups` (contiguous
-rows of similar length, each with its own span), attention runs per group over that span only, so
-one long prompt does not make every row attend over its length (B 8, one 1000-token row among
-150-token ones: the padded span costs ~4x the attended pairs).
+rows of similar length, each with its own range of slots), attention runs per group over that range
+only, so one long prompt does not make every row attend over its length (B 8, one 1000-token row
+among 150-token ones: the padded span costs ~4x the attended pairs). The engine's rows start at slot
+0 (ranges [0, span)); regeneration's are right-aligned under left padding (data/local_gen.py: ranges
+[W - span, W)).
 
 A cache's keys are a prefix view of a buffer with spare slots, and oneDNN's bmm copies any operand
 that is not contiguous: a copy of the cache's keys and values per layer per step, more than the
@@ -83,34 +85,37 @@ def grouped_attention(query, key, value, mask=None, scaling=None, row_groups=Non
     S' >= S, or None (every query sees every key) -> out [B,H,q,d]. Head h reads key/value head
     h // (H/kv), as repeat_kv does, without copying the cache. Softmax in fp32; the matmuls in the
     cache's dtype, the result in the query's.
-    row_groups: [(start, stop, span)] covering rows 0..B-1; rows start..stop-1 attend over slots
-    [0, span) only (the mask must hide everything of theirs beyond it)."""
+    row_groups: [(start, stop, lo, hi)] covering rows 0..B-1; rows start..stop-1 attend over slots
+    [lo, hi) only (the mask must hide everything of theirs outside it)."""
     if query.dtype != key.dtype:  # an fp32 cache under a bf16 model
         return grouped_attention(query.to(key.dtype), key, value, mask, scaling, row_groups).to(query.dtype)
     B, H, q, d = query.shape
+    S = key.shape[-2]
     r = H // key.shape[1]
     scale = d ** -0.5 if scaling is None else scaling
-    groups = row_groups if row_groups and len(row_groups) > 1 else [(0, B, key.shape[-2])]
-    spans = [(a, b, key, value) if (a, b, span) == (0, B, key.shape[-2]) else
-             (a, b, key[a:b, :, :span], value[a:b, :, :span]) for a, b, span in groups]
-    parts = spans if key.dtype in SPAN_DTYPES else [(a, b, *_whole_rows(k, v)) for a, b, k, v in spans]
-    width = max(k.shape[-2] for _, _, k, _ in parts)
-    if mask is None and width > key.shape[-2]:  # every slot visible, but a whole buffer's spare ones
-        mask = _all_visible(q, key.shape[-2])
+    groups = row_groups or [(0, B, 0, S)]
+    parts = [(a, b, lo, key, value) if (a, b, lo, hi) == (0, B, 0, S) else
+             (a, b, lo, key[a:b, :, lo:hi], value[a:b, :, lo:hi]) for a, b, lo, hi in groups]
+    if key.dtype not in SPAN_DTYPES:  # only ranges from slot 0 can widen to their rows' buffers
+        parts = [(a, b, lo, *(_whole_rows(k, v) if lo == 0 else (k, v))) for a, b, lo, k, v in parts]
+    width = max(lo + k.shape[-2] for _, _, lo, k, _ in parts)
+    if mask is None and width > S:  # every slot visible, but a whole buffer's spare ones
+        mask = _all_visible(q, S)
     bias = None if mask is None else _grouped_bias(mask, r, width)  # [B|1,1,r*q,width]
     if len(parts) == 1:
-        return _attend(query, parts[0][2], parts[0][3], _rows_bias(bias, 0, B, parts[0][2]), scale)
+        _, _, lo, k, v = parts[0]
+        return _attend(query, k, v, _rows_bias(bias, 0, B, lo, k), scale)
     out = query.new_empty(B, H, q, d)
-    for a, b, k, v in parts:  # rows a..b-1 over their span (or their whole buffers)
-        out[a:b] = _attend(query[a:b], k, v, _rows_bias(bias, a, b, k), scale)
+    for a, b, lo, k, v in parts:  # rows a..b-1 over their slots (or their whole buffers)
+        out[a:b] = _attend(query[a:b], k, v, _rows_bias(bias, a, b, lo, k), scale)
     return out
 
 
-def _rows_bias(bias, a: int, b: int, key) -> torch.Tensor | None:
-    """Rows a..b-1 of the bias, over key's slots."""
+def _rows_bias(bias, a: int, b: int, lo: int, key) -> torch.Tensor | None:
+    """Rows a..b-1 of the bias, over key's slots (from slot lo)."""
     if bias is None:
         return None
-    return (bias[a:b] if bias.shape[0] > 1 else bias)[..., :key.shape[-2]]
+    return (bias[a:b] if bias.shape[0] > 1 else bias)[..., lo:lo + key.shape[-2]]
 
 
 @functools.lru_cache(maxsize=8)

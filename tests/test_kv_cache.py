@@ -235,7 +235,7 @@ def test_attention_reads_whole_cache_buffers_and_masks_their_spare_slots(q_len, 
         allowed[2:, ..., 16:] = False  # rows 2-3 hold fewer tokens
         want = grouped_attention(q, k.contiguous(), v.contiguous(), allowed)
     seen.clear()
-    got = grouped_attention(q, k, v, mask, row_groups=[(0, 2, S), (2, B, 16)])
+    got = grouped_attention(q, k, v, mask, row_groups=[(0, 2, 0, S), (2, B, 0, 16)])
     assert seen == [(C, True), (16, False)]
     if masked:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -260,12 +260,37 @@ def test_an_fp32_cache_is_attended_over_its_spans_as_given(q_len, monkeypatch):
     allowed[..., 0] = True
     allowed[1:, ..., 24:] = False  # rows 1-2 hold 24 tokens
     seen = _spy_attend(monkeypatch)
-    for mask, groups, spans in ((None, None, [S]), (allowed, None, [S]), (allowed, [(0, 1, S), (1, B, 24)], [S, 24])):
+    for mask, groups, spans in ((None, None, [S]), (allowed, None, [S]),
+                                (allowed, [(0, 1, 0, S), (1, B, 0, 24)], [S, 24])):
         seen.clear()
         got = grouped_attention(q, k, v, mask, row_groups=groups)
         assert seen == [(n, False) for n in spans]
         torch.testing.assert_close(got, grouped_attention(q, k.contiguous(), v.contiguous(), mask),
                                    atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("widen", [False, True])
+def test_left_padded_rows_attend_over_their_own_last_slots(widen, monkeypatch):
+    """Regeneration's rows are right-aligned under left padding: a group's range [lo, S) skips the
+    slots that are padding in all its rows, and the output is the whole width's (padding masked).
+    A range not from slot 0 is never widened to the rows' buffers (widen: the widening dtypes)."""
+    from eagle3_platform import attention
+    from eagle3_platform.attention import cache_buffer, grouped_attention
+
+    if widen:
+        monkeypatch.setattr(attention, "SPAN_DTYPES", ())
+    B, H, kv, C, d, S = 4, 6, 2, 44, 16, 40
+    buf_k, buf_v = cache_buffer(torch.empty(0), (B, kv, C, d)), cache_buffer(torch.empty(0), (B, kv, C, d))
+    buf_k.normal_(), buf_v.normal_()
+    k, v = buf_k[:, :, :S], buf_v[:, :, :S]
+    q = torch.randn(B, H, 1, d)
+    first = torch.tensor([0, 5, 28, 30])  # each row's first real slot (left padding before it)
+    mask = (torch.arange(S) >= first[:, None])[:, None, None, :]  # [B,1,1,S]
+    want = grouped_attention(q, k.contiguous(), v.contiguous(), mask)
+    seen = _spy_attend(monkeypatch)
+    got = grouped_attention(q, k, v, mask, row_groups=[(0, 2, 0, S), (2, B, 28, S)])
+    assert seen == [(C if widen else S, widen), (S - 28, False)]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("rows,q_len,bias_kind", [(1, 1, "none"), (1, 5, "tree"), (3, 2, "shared"),

@@ -146,6 +146,28 @@ def test_batched_greedy_equals_per_prompt_generate(varied, tok, alone_from, step
         assert len(g.tokens) <= n
 
 
+def test_left_padded_rows_attend_by_groups_and_answer_as_alone(varied, tok, monkeypatch):
+    """Decode steps split the rows into groups that skip the slots padding in all their rows
+    (local_gen.padding_groups; overhead 0: a group wherever it saves a pair): the attention gets
+    ranges [lo, W) with lo > 0, and every row's greedy tokens are still its own `generate`'s."""
+    from eagle3_platform.data import local_gen
+
+    model = varied.model
+    monkeypatch.setattr(local_gen, "PADDING_GROUP_OVERHEAD", 0)
+    seen, real = [], local_gen.step_forward
+    monkeypatch.setattr(local_gen, "step_forward", lambda *a, row_groups=None, **kw: seen.append(row_groups)
+                        or real(*a, row_groups=row_groups, **kw))
+    prompts = [render_prompt(tok, [{"role": "user", "content": u}]) for u in
+               ["Hi", "Explain, step by step and with examples, how rain forms over the sea.", "x + 3 = 7?"]]
+    got = generate_batch(model, prompts, [6, 6, 6], set(), tok.pad_token_id)
+    W = max(map(len, prompts)) + 1  # the first decode step's width
+    assert seen[0] == [(0, 1, W - len(prompts[0]) - 1, W), (1, 2, 0, W), (2, 3, W - len(prompts[2]) - 1, W)]
+    for p, g in zip(prompts, got):
+        ref = model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=None,
+                             pad_token_id=tok.pad_token_id)[0, len(p):].tolist()
+        assert g.tokens == ref
+
+
 def test_a_later_turn_reuses_the_conversation_cache(varied, tok):
     """Turn 2 prefills only what is past turn 1's cached prompt + answer, and answers exactly as a
     full re-prefill of its history does (fp32 greedy); a row without a cache is prefilled whole."""

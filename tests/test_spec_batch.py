@@ -294,7 +294,7 @@ def test_ragged_forward_matches_each_row_alone(target, grouped, monkeypatch):
     new = torch.randint(3, 60, (3, 4), generator=g)
     pos = ragged.lengths[:, None] + depth
     ragged.begin(4)
-    assert ragged.groups == ([(0, 1, 15), (1, 2, 12), (2, 3, 9)] if grouped else [(0, 3, 15)])
+    assert ragged.groups == ([(0, 1, 0, 15), (1, 2, 0, 12), (2, 3, 0, 9)] if grouped else [(0, 3, 0, 15)])
     kw = {"row_groups": ragged.groups} if grouped else {}
     got = model(input_ids=new, attention_mask=ragged.mask(anc), position_ids=pos,
                 past_key_values=ragged, use_cache=True, **kw).logits

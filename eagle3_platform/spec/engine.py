@@ -122,7 +122,7 @@ class SpecEngine:
     def forward(self, ids, mask, pos, cache, drafter, logits_to_keep: int = 0, row_groups=None):
         """-> (logits [B,T,V] (the last logits_to_keep positions' if > 0), aux [B,T,3H] | None);
         `cache` is updated in place. Features only when a draft consumes them. row_groups: a ragged
-        cache's (start, stop, span) groups, for attention.py's grouped kernel (others ignore them).
+        cache's (start, stop, lo, hi) groups, for attention.py's grouped kernel (others ignore them).
         A step (positions and a mask given, or one row's one token) of a Llama-style target runs
         forward.py's loop; prefill chunks and other models run transformers' forward."""
         if self._in_step_loop(ids, mask, pos):

@@ -67,7 +67,7 @@ class RaggedCache(Cache):
         self.lengths = torch.zeros(0, dtype=torch.long)  # [B] committed tokens per row, longest first
         self._slots: torch.Tensor | None = None  # [B,q] where this forward writes
         self._span = 0  # S: slots this forward attends over
-        self.groups: list[tuple[int, int, int]] = []  # this forward's (start, stop, span) row groups
+        self.groups: list[tuple[int, int, int, int]] = []  # this forward's (start, stop, lo, hi) row groups
 
     @property
     def rows(self) -> int:
@@ -81,7 +81,8 @@ class RaggedCache(Cache):
         self._slots = self.lengths[:, None] + torch.arange(q)  # [B,q]
         self._span = n_max + q
         self._row0 = int(self.lengths[0])  # row 0's committed tokens: a lone row's write slot, per layer
-        self.groups = row_groups(self.lengths.tolist(), q, self.group_overhead)
+        spans = row_groups(self.lengths.tolist(), q, self.group_overhead)
+        self.groups = [(a, b, 0, span) for a, b, span in spans]  # each group's slots [0, span)
         return self._span
 
     def mask(self, ancestors: torch.Tensor) -> torch.Tensor:
