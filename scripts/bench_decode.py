@@ -133,8 +133,11 @@ def eagle3_config(args, name: str, weights: str) -> SpecConfig:
     return cfg if args.min_draft_prob is None else replace(cfg, min_draft_prob=args.min_draft_prob)
 
 
-def build_methods(target, draft, args, refs: dict, bf16_target=None, stock_target=None) -> dict:
+def build_methods(target, draft, args, refs: dict, bf16_target=None, stock_target=None, answers=None) -> dict:
+    """answers: the export's answer n-gram table (spec/answer_ngrams.py); with --answer-tokens N > 0,
+    each lookup row (and the policy row) also runs drafting up to N tokens from it (suffix _answersN)."""
     tt = args.target_threads
+    variants = [("", 0)] + ([(f"_answers{args.answer_tokens}", args.answer_tokens)] if args.answer_tokens else [])
     base = SpecEngine(target, None, PRESETS["baseline"], tt)
     methods = {"hf_greedy": hf_method(target, base.eos_ids, tt),
                "hf_prompt_lookup": hf_method(target, base.eos_ids, tt,
@@ -152,19 +155,22 @@ def build_methods(target, draft, args, refs: dict, bf16_target=None, stock_targe
             suffix = ("" if weights == args.head_weights[0] else f"_{weights}") + (
                 "" if dt == args.draft_threads[0] else f"_dt{dt}")
             methods[f"eagle3_{name}{suffix}"] = engine_method(SpecEngine(target, draft, cfg, tt, dt))
-            for n in args.lookup_tokens:  # the head's tree + a prompt-lookup branch (spec/lookup.py)
-                methods[f"eagle3_{name}_lookup{n}{suffix}"] = engine_method(
-                    SpecEngine(target, draft, replace(cfg, lookup_tokens=n), tt, dt))
+            for n, (tag, k) in itertools.product(args.lookup_tokens, variants):  # + a lookup branch
+                methods[f"eagle3_{name}_lookup{n}{suffix}{tag}"] = engine_method(
+                    SpecEngine(target, draft, replace(cfg, lookup_tokens=n, answer_tokens=k), tt, dt, answers))
         if args.policy:  # the server's way: the first row's settings, the draft size chosen per step
             cfg = replace(eagle3_config(args, args.spec[0], args.head_weights[0]),
                           lookup_tokens=args.lookup_tokens[0] if args.lookup_tokens else 0)
             name = f"eagle3_{args.spec[0]}" + (f"_lookup{cfg.lookup_tokens}" if cfg.lookup_tokens else "")
-            engine = SpecEngine(target, draft, cfg, tt, args.draft_threads[0])
-            policy = DraftSizePolicy(cfg.num_draft_tokens - 1)
-            methods[f"{name}_policy"] = engine_method(engine, policy=policy)
-        for n in args.lookup_tokens:  # the lookup branch alone, the head's drafts off (draft size 0)
-            cfg = replace(get_preset(args.spec[0]), head_weights=args.head_weights[0], lookup_tokens=n)
-            methods[f"lookup{n}_plain"] = engine_method(SpecEngine(target, draft, cfg, tt), max_draft_tokens=0)
+            for tag, k in variants if cfg.lookup_tokens else variants[:1]:
+                engine = SpecEngine(target, draft, replace(cfg, answer_tokens=k), tt, args.draft_threads[0], answers)
+                policy = DraftSizePolicy(cfg.num_draft_tokens - 1)
+                methods[f"{name}_policy{tag}"] = engine_method(engine, policy=policy)
+        for n, (tag, k) in itertools.product(args.lookup_tokens, variants):  # the branch alone (draft size 0)
+            cfg = replace(get_preset(args.spec[0]), head_weights=args.head_weights[0], lookup_tokens=n,
+                          answer_tokens=k)
+            methods[f"lookup{n}_plain{tag}"] = engine_method(SpecEngine(target, draft, cfg, tt, None, answers),
+                                                             max_draft_tokens=0)
     if args.oracle:
         methods["oracle_chain"] = oracle_method(target, refs, tt)
     return methods
@@ -309,6 +315,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-lookup-tokens", type=int, default=10)
     ap.add_argument("--lookup-tokens", type=int, nargs="*", default=[],
                     help="also run each eagle3 row with a prompt-lookup branch of this many tokens")
+    ap.add_argument("--answer-tokens", type=int, default=0,
+                    help="also run each lookup row (and the policy row) drafting up to this many tokens from "
+                         "the export's answer n-gram table (spec/answer_ngrams.py; suffix _answersN); 0 = no")
     ap.add_argument("--oracle", action="store_true", help="add the oracle_chain ceiling row")
     ap.add_argument("--policy", action="store_true",
                     help="add the eagle3_X_policy row: the draft size chosen per step as a server does")
@@ -328,10 +337,17 @@ def main(argv=None) -> int:
         draft = load_export(args.draft, target)
     prompts = load_prompt_ids(args, target.tokenizer)
     refs: dict = {}
-    methods = build_methods(target, draft, args, refs, bf16_target, stock_target)
+    answers = None
+    if args.draft and args.answer_tokens:
+        from eagle3_platform.draft.export import load_answer_ngrams
+        answers = load_answer_ngrams(args.draft)
+        if answers is None:
+            raise SystemExit(f"--answer-tokens: {args.draft} has no answer n-gram table (train the head again)")
+    methods = build_methods(target, draft, args, refs, bf16_target, stock_target, answers)
     warm_up(methods, prompts, args, refs)
     figures = bench(methods, prompts, args, target)
     result = {"figures": figures, "config": {**vars(args), "n_prompts": len(prompts),
+                                             "answer_ngrams": len(answers) if answers is not None else None,
                                              "dtype": target.meta["dtype"],
                                              "int4_rows": target.meta.get("int4_rows", 0),
                                              "torch_threads": torch.get_num_threads(),

@@ -408,3 +408,37 @@ def test_samples_with_no_response_within_max_len_are_left_out_and_counted(tiny_t
     with pytest.raises(ValueError, match="none of the 12 samples .* within max_len=4"):
         train(tiny_target_dir, [features[0]], tmp_path / "none", replace(cfg, max_len=4))
     assert not (tmp_path / "none" / "draft.safetensors").exists()
+
+
+def test_train_writes_the_answer_table_of_its_features_and_export_ships_it(tiny_target_dir, features, tmp_path):
+    """The lookup branch's answer table (spec/answer_ngrams.py) is built from the train features' answers
+    (each loss-masked run, with its turn header's ANSWER_LEAD tokens), written beside the head, and
+    exported in a folder of its own (SGLang loads every top-level *.safetensors as weights)."""
+    from eagle3_platform.draft.export import ANSWERS_FILE, export_draft, load_answer_ngrams
+    from eagle3_platform.features.shards import ShardDataset
+    from eagle3_platform.spec.answer_ngrams import ANSWER_LEAD, AnswerNgrams
+
+    ds = ShardDataset([features[0]])
+    want = []
+    for i in range(len(ds)):  # the runs, found one position at a time
+        ids, mask = ds[i]["input_ids"].tolist(), ds[i]["loss_mask"].tolist()
+        for t in range(len(mask)):
+            if mask[t] and (t == 0 or not mask[t - 1]):
+                stop = next((u for u in range(t, len(mask)) if not mask[u]), len(mask))
+                want.append(ids[max(0, t - ANSWER_LEAD):stop])
+    spans = list(ds.response_spans(ANSWER_LEAD))
+    assert spans == want and len(spans) >= len(ds)
+
+    summary = train(tiny_target_dir, [features[0]], tmp_path / "d", PRESETS["tiny"])
+    table = AnswerNgrams.load(tmp_path / "d" / "answer_ngrams.safetensors")
+    assert table.keys.tolist() == AnswerNgrams.build(want).keys.tolist()
+    assert summary["answer_ngrams"]["contexts"] == len(table) > 0
+    assert table.answer_tokens == sum(map(len, want))
+
+    out = export_draft(tmp_path / "d", tmp_path / "x", dtype="float32")
+    assert out["answer_ngrams"] == len(table) and (tmp_path / "x" / ANSWERS_FILE).exists()
+    assert [p.name for p in (tmp_path / "x").glob("*.safetensors")] == ["model.safetensors"]
+    assert load_answer_ngrams(tmp_path / "x").tokens.tolist() == table.tokens.tolist()
+    (tmp_path / "d" / "answer_ngrams.safetensors").unlink()  # a head trained before the table existed
+    assert export_draft(tmp_path / "d", tmp_path / "y")["answer_ngrams"] is None
+    assert load_answer_ngrams(tmp_path / "y") is None

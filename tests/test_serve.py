@@ -488,6 +488,32 @@ def test_build_engine_takes_the_head_weights_setting(tiny_target_dir, tiny_expor
     assert isinstance(engine.draft.lm_head, nn.Linear) and meta["spec_config"]["head_weights"] == "native"
 
 
+def test_build_engine_takes_the_answer_tokens_setting_only_with_a_table(tiny_target_dir, tiny_export, tmp_path):
+    """--answer-tokens drafts from the export's answer table (off by default); an export without one
+    is refused rather than served silently without it."""
+    import shutil
+
+    from eagle3_platform.draft.export import ANSWERS_FILE
+    from eagle3_platform.serve.server import build_engine
+    from eagle3_platform.spec.answer_ngrams import AnswerNgrams
+    from eagle3_platform.spec.tree import root_only
+
+    engine, _, meta = build_engine(tiny_target_dir, tiny_export, "chain_adaptive_lookup")
+    assert meta["answer_ngrams"] is None and meta["spec_config"]["answer_tokens"] == 0
+    with pytest.raises(ValueError, match="no answer n-gram table"):
+        build_engine(tiny_target_dir, tiny_export, "chain_adaptive_lookup", answer_tokens=3)
+    with_table = tmp_path / "export"
+    shutil.copytree(tiny_export, with_table)
+    (with_table / ANSWERS_FILE).parent.mkdir()
+    AnswerNgrams.build([[5, 6, 7, 8], [5, 6, 7, 9]]).save(with_table / ANSWERS_FILE)
+    engine, _, meta = build_engine(tiny_target_dir, with_table, "chain_adaptive_lookup", answer_tokens=3)
+    assert meta["answer_ngrams"] > 0 and engine.cfg.answer_tokens == 3
+    drafter = engine.make_drafter()
+    drafter.history = [1, 2, 5]
+    # 5 -> 6 -> 7 -> 8 (7 was followed by 8 and 9 once each: a tie, the lowest id; share 1/2 >= MIN_SHARE)
+    assert drafter.plain_step(root_only(4)).tokens.tolist() == [4, 6, 7, 8]
+
+
 def test_build_engine_runs_the_target_on_target_threads(tiny_target_dir):
     from eagle3_platform.compute import resolve_threads
     from eagle3_platform.serve.config import PRESETS

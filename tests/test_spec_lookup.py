@@ -68,6 +68,8 @@ def test_config_rejects_bad_lookup_settings():
         SpecConfig(lookup_tokens=-1)
     with pytest.raises(ValueError):
         SpecConfig(lookup_ngram=0)
+    with pytest.raises(ValueError):
+        SpecConfig(answer_tokens=-1)
 
 
 @pytest.fixture(scope="module")

@@ -17,10 +17,14 @@ from safetensors.torch import load_file, save_file
 
 from eagle3_platform.draft.model import DraftConfig, Eagle3Draft, build_draft, read_draft_dir
 from eagle3_platform.draft.vocab import check_vocab
+from eagle3_platform.spec.answer_ngrams import AnswerNgrams
 
 ARCH = "LlamaForCausalLMEagle3"
 EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 WEIGHTS_FILE, CONFIG_FILE = "model.safetensors", "config.json"
+# The embedded engine's answer n-gram table (spec/answer_ngrams.py), when train wrote one: in a folder of
+# its own, because SGLang loads every *.safetensors at the top of a model dir as weights.
+ANSWERS_FILE = "lookup/answer_ngrams.safetensors"
 
 
 def expected_tensors(config: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -142,6 +146,7 @@ def export_draft(draft_dir, out_dir, dtype: str = "bfloat16") -> dict:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2))
         validate_tensors(load_file(str(tmp / WEIGHTS_FILE)), config)   # what is on disk
+        answers = _copy_answers(draft_dir, tmp)
     except Exception:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -150,7 +155,25 @@ def export_draft(draft_dir, out_dir, dtype: str = "bfloat16") -> dict:
     os.replace(tmp, out_dir)
     return {"export_dir": str(out_dir), "dtype": dtype, "tensors": len(tensors),
             "bytes": (out_dir / WEIGHTS_FILE).stat().st_size, "draft_vocab_size": cfg.draft_vocab_size,
-            "aux_layer_ids": list(cfg.aux_layer_ids)}
+            "aux_layer_ids": list(cfg.aux_layer_ids), "answer_ngrams": answers}
+
+
+def _copy_answers(draft_dir: Path, out_dir: Path) -> int | None:
+    """draft_dir's answer n-gram table (train's) -> out_dir/ANSWERS_FILE, read back; -> its contexts, or
+    None for a draft dir without one (heads trained before it existed: the lookup branch runs without)."""
+    from eagle3_platform.draft.train import ANSWERS
+
+    if not (draft_dir / ANSWERS).exists():
+        return None
+    (out_dir / ANSWERS_FILE).parent.mkdir()
+    shutil.copyfile(draft_dir / ANSWERS, out_dir / ANSWERS_FILE)
+    return len(AnswerNgrams.load(out_dir / ANSWERS_FILE))
+
+
+def load_answer_ngrams(export_dir) -> AnswerNgrams | None:
+    """The export's answer n-gram table, None where it has none."""
+    path = Path(export_dir) / ANSWERS_FILE
+    return AnswerNgrams.load(path) if path.exists() else None
 
 
 def load_export(export_dir, target_or_dir) -> Eagle3Draft:

@@ -38,8 +38,9 @@ from eagle3_platform.draft.ttt import TargetTop1, TTTLoss, batch_targets, collat
 from eagle3_platform.draft.vocab import load_vocab, save_vocab, vocab_from_features
 from eagle3_platform.draft.warm_start import warm_start
 from eagle3_platform.records import atomic_write, write_json_atomic
+from eagle3_platform.spec.answer_ngrams import ANSWER_LEAD, AnswerNgrams
 
-METRICS, VOCAB = "metrics.json", "vocab.safetensors"
+METRICS, VOCAB, ANSWERS = "metrics.json", "vocab.safetensors", "answer_ngrams.safetensors"
 CKPT = "checkpoint"
 
 
@@ -458,6 +459,8 @@ def train(target_dir, feature_dirs, out_dir, cfg: TrainConfig, resume: bool = Fa
                **({"warm_start": warm} if warm else {})}
     if rank == 0:
         summary.update(_final_eval(draft, ds, eval_dirs, expect, lm_head, run_cfg))
+        # the lookup branch's second source (spec/answer_ngrams.py), from the same train answers
+        summary["answer_ngrams"] = AnswerNgrams.build(ds.response_spans(ANSWER_LEAD)).save(out_dir / ANSWERS)
         _write_outputs(out_dir, draft, cfg, expect, feature_dirs, summary)
         _log(f"done: {total} steps; train sim. acceptance {summary['train_eval']['simulated_acceptance']:.3f}")
     barrier()

@@ -366,6 +366,19 @@ class ShardDataset(torch.utils.data.Dataset):
             out += torch.diff(self._offsets[k]).tolist()
         return out
 
+    def response_spans(self, lead: int = 0) -> Iterator[list[int]]:
+        """Every run of loss-masked tokens (a regenerated answer), with the `lead` tokens before it (its
+        turn header); reads only input_ids and loss_mask, one shard at a time."""
+        for k in range(len(self._shards)):
+            f, bounds = self._handle(k), self._offsets[k].tolist()
+            ids, mask = f.get_tensor("input_ids").long(), f.get_tensor("loss_mask").bool()  # [N] each
+            for a, b in zip(bounds[:-1], bounds[1:]):  # one sample: runs never cross samples
+                zero = torch.zeros(1, dtype=torch.int)
+                edges = torch.diff(mask[a:b].int(), prepend=zero, append=zero)  # +1 where a run starts, -1 after it
+                starts, stops = (edges == 1).nonzero()[:, 0].tolist(), (edges == -1).nonzero()[:, 0].tolist()
+                for start, stop in zip(starts, stops):
+                    yield ids[a + max(0, start - lead):a + stop].tolist()
+
     def loss_masks(self) -> Iterator[torch.Tensor]:
         """Every sample's loss_mask (uint8 [T]), in order; reads one small tensor per shard."""
         for k in range(len(self._shards)):

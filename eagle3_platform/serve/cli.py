@@ -22,6 +22,9 @@ def add_commands(sub) -> None:
     p.add_argument("--head-weights", default=None, choices=HEAD_WEIGHTS,
                    help="the head's weights: auto (default: int4 where the target decodes on 4-bit codes, "
                         "else packed) | packed (oneDNN's blocked layout) | int8 | int4 | native")
+    p.add_argument("--answer-tokens", type=int, default=None,
+                   help="draft up to this many tokens from the export's answer n-gram table where the "
+                        "request's own text has no 2-token match (lookup specs; 0 = off, the default)")
     p.add_argument("--preset", default="demo", choices=sorted(PRESETS), help="server limits preset")
     p.add_argument("--max-tokens", type=int, default=None, help="server bound on max_tokens")
     p.add_argument("--max-queue", type=int, default=None, help="queued+running requests bound")
@@ -54,6 +57,8 @@ def serve(a) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     require_positive(max_tokens=a.max_tokens, max_queue=a.max_queue, max_batch=a.max_batch,
                      prefill_chunk=a.prefill_chunk, threads=a.threads)
+    if a.answer_tokens is not None and a.answer_tokens < 0:
+        raise ValueError(f"--answer-tokens must be >= 0 (0 = off), not {a.answer_tokens}")
     for flag, n in (("--target-threads", a.target_threads), ("--draft-threads", a.draft_threads)):
         if n is not None and n < 0:
             raise ValueError(f"{flag} must be >= 0 (0 = every core), not {n}")
@@ -73,7 +78,7 @@ def serve(a) -> dict:
         torch.set_num_threads(cfg.torch_threads)
     sock = bind_socket(cfg.host, cfg.port)  # before the model loads: a busy port fails at once
     engine, target, info = build_engine(a.target, a.draft, a.spec, cfg.dtype, a.head_weights,
-                                        cfg.target_threads, cfg.draft_threads)
+                                        cfg.target_threads, cfg.draft_threads, a.answer_tokens)
     context = int(getattr(target.model.config, "max_position_embeddings", 2048))
     name = info["target_id"] + ("-eagle3" if info["draft"] else "")
     app = build_app(engine, target.tokenizer, cfg, model_name=name, context_length=context,

@@ -387,9 +387,10 @@ def build_app(engine, tokenizer, cfg: ServeConfig | None = None, *, model_name: 
 
 def build_engine(target_dir: str | Path, draft_dir: str | Path | None = None, spec: str = "chain",
                  dtype: str = "auto", head_weights: str | None = None, target_threads: int | None = None,
-                 draft_threads: int | None = None):
-    """The real engine from a prepared target (+ optional exported draft); head_weights overrides the
-    spec preset's (int8 | native); target_threads, draft_threads: see SpecEngine. Imports torch lazily."""
+                 draft_threads: int | None = None, answer_tokens: int | None = None):
+    """The real engine from a prepared target (+ optional exported draft); head_weights and
+    answer_tokens override the spec preset's (SpecConfig); target_threads, draft_threads: see
+    SpecEngine. Imports torch lazily."""
     from dataclasses import replace
 
     import torch
@@ -400,14 +401,19 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path | None = None, sp
     from eagle3_platform.target import load_target
 
     target = load_target(target_dir, dtype=dtype)
-    draft = None
+    draft = answers = None
     if draft_dir is not None:
-        from eagle3_platform.draft.export import load_export
-        draft = load_export(draft_dir, target)
+        from eagle3_platform.draft.export import load_answer_ngrams, load_export
+        draft, answers = load_export(draft_dir, target), load_answer_ngrams(draft_dir)
     cfg = get_preset(spec if draft is not None else "baseline")
     if head_weights is not None:
         cfg = replace(cfg, head_weights=head_weights)
-    engine = SpecEngine(target, draft, cfg, target_threads, draft_threads)
+    if answer_tokens is not None and draft is not None:
+        if answer_tokens and answers is None:
+            raise ValueError(f"--answer-tokens {answer_tokens}: {draft_dir} has no answer n-gram table "
+                             "(heads trained before it existed; train the head again)")
+        cfg = replace(cfg, answer_tokens=answer_tokens)
+    engine = SpecEngine(target, draft, cfg, target_threads, draft_threads, answers)
     info = {"target_id": target.meta.get("target_id"), "draft": draft is not None, "dtype": target.meta["dtype"],
             "kv_cache_dtype": str(engine.cache_dtype).removeprefix("torch."),
             "wide_fp32_rows": target.meta.get("wide_fp32_rows", 0),
@@ -415,6 +421,8 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path | None = None, sp
             "int4_rows": target.meta.get("int4_rows", 0), "int4_linears": target.meta.get("int4_linears", 0),
             "spec": spec if draft is not None else "baseline", "spec_config": cfg.to_dict(),
             "head_weights": engine.head_weights,  # as resolved ('auto' -> int4 | packed)
+            # contexts in the export's answer table (None: none; drafted from only with answer_tokens > 0)
+            "answer_ngrams": len(answers) if answers is not None else None,
             "threads": {"rest": torch.get_num_threads(),  # sampling, bookkeeping
                         "head": torch.get_num_threads() if draft_threads is None
                         else resolve_threads(draft_threads),

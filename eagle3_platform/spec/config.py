@@ -30,6 +30,14 @@ class SpecConfig:
     # (a 4-gram match was followed by 4.4 accepted tokens on average; lookup.py). 0 = the head's tree alone.
     lookup_tokens: int = 0
     lookup_ngram: int = 4
+    # The branch's second source (answer_ngrams.py; the embedded engine only): where the request's own
+    # text matches fewer than 2 tokens, up to answer_tokens tokens drafted from an n-gram table of the
+    # target's training answers (exported beside the head). 0 = off, the default: on the 2-core Intel
+    # box without avx512_bf16 (fp32 on the 4-bit codes) a 4-token verify costs 1.27 plain steps, and the
+    # table's drafts about paid for that and no more (cpu head: the lookup branch alone 1.51x -> 1.52x HF
+    # generate, τ 1.38 -> 1.54; the server's way 1.57x -> 1.53x; demo head 1.45x -> 1.37x, 1.41x -> 1.35x;
+    # ~/.cache/eagle3-runs/s63/corpus_ab_*.log). Where a verify costs about a decode step it should pay.
+    answer_tokens: int = 0
     # The head's weights in the embedded CPU engine (draft/quant.py; not an SGLang flag): "int8" reads
     # half the bytes per draft forward (a batch-1 draft step is bound by weight reads), "packed" keeps
     # the head's dtype on oneDNN's blocked layout (packed_linear.py), "int4" rounds the head to a
@@ -48,8 +56,8 @@ class SpecConfig:
             raise ValueError(f"invalid speculative settings: {self}")
         if self.speculative and (self.num_steps < 1 or self.eagle_topk < 1):
             raise ValueError("a draft tree needs num_steps >= 1 and eagle_topk >= 1")
-        if self.lookup_tokens < 0 or self.lookup_ngram < 1:
-            raise ValueError(f"need lookup_tokens >= 0 and lookup_ngram >= 1: {self}")
+        if self.lookup_tokens < 0 or self.lookup_ngram < 1 or self.answer_tokens < 0:
+            raise ValueError(f"need lookup_tokens >= 0, lookup_ngram >= 1 and answer_tokens >= 0: {self}")
         if self.head_weights not in HEAD_WEIGHTS:
             raise ValueError(f"head_weights must be one of {HEAD_WEIGHTS}, not {self.head_weights!r}")
         if not 0.0 <= self.min_draft_prob < 1.0:

@@ -29,6 +29,7 @@ from eagle3_platform.draft.quant import int4_head, int8_head, packed_head
 from eagle3_platform.features.capture import forward_capture
 from eagle3_platform.spec.batch import Batch
 from eagle3_platform.spec.config import PRESETS, SpecConfig
+from eagle3_platform.spec.answer_ngrams import AnswerNgrams
 from eagle3_platform.spec.drafter import EagleDrafter
 from eagle3_platform.spec.forward import mixed_forward, step_forward, supports
 from eagle3_platform.spec.lookup import LookupDrafter
@@ -37,10 +38,12 @@ from eagle3_platform.spec.policy import DraftSizePolicy, policy_step
 
 class SpecEngine:
     def __init__(self, target, draft=None, cfg: SpecConfig = PRESETS["chain"],
-                 target_threads: int | None = None, draft_threads: int | None = None):
+                 target_threads: int | None = None, draft_threads: int | None = None,
+                 answers: AnswerNgrams | None = None):
         """target_threads, draft_threads: torch threads of the target's forwards and of the head's
-        drafting (0 = every core; None = the caller's)."""
-        self.target, self.model, self.cfg = target, target.model, cfg
+        drafting (0 = every core; None = the caller's). answers: the lookup branch's second source
+        (answer_ngrams.py; used where cfg.lookup_tokens and cfg.answer_tokens are > 0)."""
+        self.target, self.model, self.cfg, self.answers = target, target.model, cfg, answers
         self.target_threads, self.draft_threads = target_threads, draft_threads
         self.dtype = next(self.model.parameters()).dtype
         cache_dtype = target.meta.get("kv_cache_dtype")  # the batch cache's (load_target decides)
@@ -116,7 +119,8 @@ class SpecEngine:
             return self.draft
         head = EagleDrafter(self.draft, self.cfg, self.cache_dtype)  # draft KV like the batch cache
         if self.cfg.lookup_tokens:
-            return LookupDrafter(head, self.cfg.lookup_tokens, self.cfg.lookup_ngram)
+            return LookupDrafter(head, self.cfg.lookup_tokens, self.cfg.lookup_ngram, self.answers,
+                                 self.cfg.answer_tokens)
         return head
 
     def forward(self, ids, mask, pos, cache, drafter, logits_to_keep: int = 0, row_groups=None):

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import torch
 
+from eagle3_platform.spec.answer_ngrams import OWN_MATCH, AnswerNgrams
 from eagle3_platform.spec.tree import Tree
 
 
@@ -90,10 +91,16 @@ def graft(tree: Tree, chain: list[int]) -> Tree:
 
 class LookupDrafter:
     """An EAGLE drafter plus a prompt-lookup branch. Keeps the request's tokens (x_1 .. pending root:
-    what prefill and commit hand every drafter) and forwards everything else to the head's drafter."""
+    what prefill and commit hand every drafter) and forwards everything else to the head's drafter.
+    With `answers` (answer_ngrams.py) and answer_tokens > 0, a request whose own text matches fewer
+    than OWN_MATCH tokens drafts the branch from the target's training answers instead, at most
+    answer_tokens of them (SpecConfig.answer_tokens)."""
 
-    def __init__(self, head, max_tokens: int, max_ngram: int):
+    def __init__(self, head, max_tokens: int, max_ngram: int, answers: AnswerNgrams | None = None,
+                 answer_tokens: int = 0):
         self.head, self.max_tokens, self.max_ngram = head, max_tokens, max_ngram
+        self.answers = answers if answer_tokens > 0 else None
+        self.answer_tokens = answer_tokens
         self.history: list[int] = []
         self.last_lookup = 0  # tokens the last proposal's lookup branch held
 
@@ -117,8 +124,10 @@ class LookupDrafter:
         PAIR_STEP_TOKENS), else tree: the copy the head's drafts are not needed for."""
         alone = rows == 1
         cap = self.max_tokens if alone else min(self.max_tokens, PAIR_STEP_TOKENS)
-        chain, n = lookup_match(self.history, cap, self.max_ngram)
-        return self._branch(tree, chain if n >= (PLAIN_STEP_MATCH if alone else PAIR_STEP_MATCH) else [])
+        if alone:
+            return self._branch(tree, self._chain(cap, PLAIN_STEP_MATCH))
+        chain, n = lookup_match(self.history, cap, self.max_ngram)  # a pair: long own matches only
+        return self._branch(tree, chain if n >= PAIR_STEP_MATCH else [])
 
     def extend(self, tree: Tree, max_tokens: int | None = None) -> Tree:
         """The head's tree + the lookup branch. A server's per-step draft size max_tokens caps each
@@ -127,7 +136,17 @@ class LookupDrafter:
         sizes. (Capping their sum instead, the branch filling what the head left, measured worse: the
         policy then settled at ~3 nodes at batch 1, 0.96x of plain decoding, bench_batch.py.)"""
         cap = self.max_tokens if max_tokens is None else min(self.max_tokens, max_tokens)
-        return self._branch(tree, lookup(self.history, cap, self.max_ngram))
+        return self._branch(tree, self._chain(cap, 1))
+
+    def _chain(self, cap: int, min_match: int) -> list[int]:
+        """The branch: the request's own continuation after a match of OWN_MATCH+ tokens, else the
+        answers' chain where they have one, else the own match if it has min_match+ tokens."""
+        chain, n = lookup_match(self.history, cap, self.max_ngram)
+        if n < OWN_MATCH and self.answers is not None:
+            drafted = self.answers.chain(self.history, min(cap, self.answer_tokens))
+            if drafted:
+                return drafted
+        return chain if n >= min_match else []
 
     def _branch(self, tree: Tree, chain: list[int]) -> Tree:
         """tree + chain grafted under its root (tree itself when chain is empty), counted in last_lookup."""
