@@ -62,7 +62,7 @@ def test_the_table_round_trips_through_its_file_and_refuses_a_corrupt_one(tmp_pa
         AnswerNgrams.load(tmp_path / "partial.safetensors")
 
 
-def test_the_branch_falls_back_to_the_answers_only_without_a_long_own_match():
+def test_a_plain_step_falls_back_to_the_answers_only_without_a_long_own_match():
     root = Tree(torch.tensor([7]), torch.tensor([-1]))
     answers = AnswerNgrams.build([[30, 31, 32, 33, 34, 35, 36]])  # each token always followed by the next
     off = LookupDrafter(head=None, max_tokens=8, max_ngram=4, answers=answers)  # answer_tokens 0: off
@@ -80,13 +80,14 @@ def test_the_branch_falls_back_to_the_answers_only_without_a_long_own_match():
     assert d.plain_step(root).tokens.tolist() == [7, 4]
     d.history = [1, 2, 3, 4, 5, 3, 30, 31]  # a pair verifies long own matches only: not the answers'
     assert d.plain_step(root, rows=2) is root
-    assert d.extend(root, max_tokens=2).tokens.tolist() == [7, 32, 33]  # a drafting step's cap applies
+    assert d.extend(root, max_tokens=2) is root  # beside the head's drafts: the own text only
 
 
 @pytest.mark.parametrize("preset", ["chain_adaptive", "tree"])
 def test_answers_in_the_branch_keep_greedy_output_alone_and_in_a_batch(tiny_target, preset):
     """Tables of the target's own greedy answers (their drafts are accepted) and of random token runs
-    (rejected): greedy output equals target greedy decoding either way, alone and in a batch."""
+    (rejected): greedy output equals target greedy decoding either way, in plain steps (where the
+    table drafts), drafting steps and a batch."""
     from tests.test_spec_batch import _drive
     from tests.test_spec_engine import MAX_NEW, PROMPTS, _ids, hf_greedy
 
@@ -98,12 +99,15 @@ def test_answers_in_the_branch_keep_greedy_output_alone_and_in_a_batch(tiny_targ
     max_new = [MAX_NEW if i % 2 == 0 else 5 for i in range(len(PROMPTS))]
     for answers, name in ((AnswerNgrams.build(refs.values()), "own"), (AnswerNgrams.build(noise), "noise")):
         engine = SpecEngine(tiny_target, random_draft(tiny_target, 64), cfg, answers=answers)
+        drafted, chain = [], answers.chain
+        answers.chain = lambda history, k: drafted.append(chain(history, k)) or drafted[-1]
         accepted = 0
-        for p in PROMPTS:
-            out, stats = engine.generate(_ids(tiny_target, p), MAX_NEW)
+        for p in PROMPTS:  # plain steps of a row alone (draft size 0) draft from the table
+            out, stats = engine.generate(_ids(tiny_target, p), MAX_NEW, max_draft_tokens=0)
             assert out == refs[p], (preset, name, p)
             accepted += sum((k - 1) * v for k, v in stats["accept_hist"].items())
-        assert accepted > 0 or name == "noise"
+            assert engine.generate(_ids(tiny_target, p), MAX_NEW)[0] == refs[p], (preset, name, p)
+        assert any(drafted) and (accepted > 0 or name == "noise")
         out = _drive(engine, [_ids(tiny_target, p) for p in PROMPTS], max_new)
         for i, p in enumerate(PROMPTS):
             assert out[i] == refs[p][:max_new[i]], (preset, name, i)

@@ -92,9 +92,9 @@ def graft(tree: Tree, chain: list[int]) -> Tree:
 class LookupDrafter:
     """An EAGLE drafter plus a prompt-lookup branch. Keeps the request's tokens (x_1 .. pending root:
     what prefill and commit hand every drafter) and forwards everything else to the head's drafter.
-    With `answers` (answer_ngrams.py) and answer_tokens > 0, a request whose own text matches fewer
-    than OWN_MATCH tokens drafts the branch from the target's training answers instead, at most
-    answer_tokens of them (SpecConfig.answer_tokens)."""
+    With `answers` (answer_ngrams.py) and answer_tokens > 0, a plain step of a row alone whose own
+    text matches fewer than OWN_MATCH tokens drafts the branch from the target's training answers
+    instead, at most answer_tokens of them (SpecConfig.answer_tokens)."""
 
     def __init__(self, head, max_tokens: int, max_ngram: int, answers: AnswerNgrams | None = None,
                  answer_tokens: int = 0):
@@ -136,11 +136,15 @@ class LookupDrafter:
         sizes. (Capping their sum instead, the branch filling what the head left, measured worse: the
         policy then settled at ~3 nodes at batch 1, 0.96x of plain decoding, bench_batch.py.)"""
         cap = self.max_tokens if max_tokens is None else min(self.max_tokens, max_tokens)
-        return self._branch(tree, self._chain(cap, 1))
+        return self._branch(tree, lookup(self.history, cap, self.max_ngram))
 
     def _chain(self, cap: int, min_match: int) -> list[int]:
-        """The branch: the request's own continuation after a match of OWN_MATCH+ tokens, else the
-        answers' chain where they have one, else the own match if it has min_match+ tokens."""
+        """A plain step's branch: the request's own continuation after a match of OWN_MATCH+ tokens,
+        else the answers' chain where they have one, else the own match if it has min_match+ tokens.
+        Only plain steps draft from the answers: beside the head's chain their branch made the verify
+        wider than the 4-row tile of the int4 kernel (the head + lookup 8, cpu head: 1.49x -> 1.48x HF
+        generate with 1 answer token), while in place of a plain step's weak 1-token own match it costs
+        no width (the branch alone 1.38x -> 1.50x; ~/.cache/eagle3-runs/s63/bd_cpu_a1.log)."""
         chain, n = lookup_match(self.history, cap, self.max_ngram)
         if n < OWN_MATCH and self.answers is not None:
             drafted = self.answers.chain(self.history, min(cap, self.answer_tokens))
