@@ -30,13 +30,14 @@ class SpecConfig:
     # (a 4-gram match was followed by 4.4 accepted tokens on average; lookup.py). 0 = the head's tree alone.
     lookup_tokens: int = 0
     lookup_ngram: int = 4
-    # The branch's second source (answer_ngrams.py; the embedded engine only): where the request's own
-    # text matches fewer than 2 tokens, up to answer_tokens tokens drafted from an n-gram table of the
-    # target's training answers (exported beside the head). 0 = off, the default: on the 2-core Intel
-    # box without avx512_bf16 (fp32 on the 4-bit codes) a 4-token verify costs 1.27 plain steps, and the
-    # table's drafts about paid for that and no more (cpu head: the lookup branch alone 1.51x -> 1.52x HF
-    # generate, τ 1.38 -> 1.54; the server's way 1.57x -> 1.53x; demo head 1.45x -> 1.37x, 1.41x -> 1.35x;
-    # ~/.cache/eagle3-runs/s63/corpus_ab_*.log). Where a verify costs about a decode step it should pay.
+    # The branch's second source (answer_ngrams.py; the embedded engine only): in a plain step of a row
+    # alone whose own text matches fewer than 2 tokens, up to answer_tokens tokens drafted from an
+    # n-gram table of the target's training answers (exported beside the head). 0 = off, the default:
+    # on the 2-core Intel box without avx512_bf16 (fp32 on the 4-bit codes; a 4-token verify costs 1.27
+    # plain steps, a 2-token one 1.09) it lifts the branch alone but not the server's way (cpu head, 1
+    # answer token, x HF generate: the branch alone 1.46x -> 1.54x, τ 1.38 -> 1.49; the server's way
+    # 1.53x -> 1.52x; ~/.cache/eagle3-runs/s63/answers_ab_cpu.log). Where a verify costs about a decode
+    # step (bf16 on AMX, a GPU) longer chains should pay; measure with bench_decode --answer-tokens.
     answer_tokens: int = 0
     # The head's weights in the embedded CPU engine (draft/quant.py; not an SGLang flag): "int8" reads
     # half the bytes per draft forward (a batch-1 draft step is bound by weight reads), "packed" keeps
