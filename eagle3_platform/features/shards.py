@@ -369,11 +369,11 @@ class ShardDataset(torch.utils.data.Dataset):
     def response_spans(self, lead: int = 0) -> Iterator[list[int]]:
         """Every run of loss-masked tokens (a regenerated answer), with the `lead` tokens before it (its
         turn header); reads only input_ids and loss_mask, one shard at a time."""
+        zero = torch.zeros(1, dtype=torch.int)
         for k in range(len(self._shards)):
             f, bounds = self._handle(k), self._offsets[k].tolist()
             ids, mask = f.get_tensor("input_ids").long(), f.get_tensor("loss_mask").bool()  # [N] each
             for a, b in zip(bounds[:-1], bounds[1:]):  # one sample: runs never cross samples
-                zero = torch.zeros(1, dtype=torch.int)
                 edges = torch.diff(mask[a:b].int(), prepend=zero, append=zero)  # +1 where a run starts, -1 after it
                 starts, stops = (edges == 1).nonzero()[:, 0].tolist(), (edges == -1).nonzero()[:, 0].tolist()
                 for start, stop in zip(starts, stops):

@@ -23,8 +23,9 @@ def add_commands(sub) -> None:
                    help="the head's weights: auto (default: int4 where the target decodes on 4-bit codes, "
                         "else packed) | packed (oneDNN's blocked layout) | int8 | int4 | native")
     p.add_argument("--answer-tokens", type=int, default=None,
-                   help="draft up to this many tokens from the export's answer n-gram table where the "
-                        "request's own text has no 2-token match (lookup specs; 0 = off, the default)")
+                   help="in plain steps of a request alone whose own text has no 2-token match, draft up to "
+                        "this many tokens from the export's answer n-gram table (lookup specs; 0 = off, the "
+                        "default)")
     p.add_argument("--preset", default="demo", choices=sorted(PRESETS), help="server limits preset")
     p.add_argument("--max-tokens", type=int, default=None, help="server bound on max_tokens")
     p.add_argument("--max-queue", type=int, default=None, help="queued+running requests bound")

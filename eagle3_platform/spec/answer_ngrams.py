@@ -122,7 +122,7 @@ class AnswerNgrams:
             meta = f.metadata() or {}
         if meta.get("max_ngram", str(MAX_NGRAM)) != str(MAX_NGRAM):
             raise ValueError(f"{path}: built with contexts of up to {meta['max_ngram']} tokens, this "
-                             f"version reads {MAX_NGRAM}; rebuild it (train the head again or `eagle3 draft answers`)")
+                             f"version reads {MAX_NGRAM}; train the head again to rebuild it")
         table = cls(t["keys"], t["tokens"], t["shares"], int(meta.get("answer_tokens", 0)))
         if len(table) > 1 and not bool((table.keys[1:] > table.keys[:-1]).all()):
             raise ValueError(f"{path}: keys are not sorted and distinct (a corrupt table)")

@@ -27,9 +27,9 @@ from eagle3_platform.compute import int4_probe_rows, threads
 from eagle3_platform.data.chat import eos_token_ids
 from eagle3_platform.draft.quant import int4_head, int8_head, packed_head
 from eagle3_platform.features.capture import forward_capture
+from eagle3_platform.spec.answer_ngrams import AnswerNgrams
 from eagle3_platform.spec.batch import Batch
 from eagle3_platform.spec.config import PRESETS, SpecConfig
-from eagle3_platform.spec.answer_ngrams import AnswerNgrams
 from eagle3_platform.spec.drafter import EagleDrafter
 from eagle3_platform.spec.forward import mixed_forward, step_forward, supports
 from eagle3_platform.spec.lookup import LookupDrafter

@@ -144,7 +144,8 @@ class LookupDrafter:
         Only plain steps draft from the answers: beside the head's chain their branch made the verify
         wider than the 4-row tile of the int4 kernel (the head + lookup 8, cpu head: 1.49x -> 1.48x HF
         generate with 1 answer token), while in place of a plain step's weak 1-token own match it costs
-        no width (the branch alone 1.38x -> 1.50x; ~/.cache/eagle3-runs/s63/bd_cpu_a1.log)."""
+        no more width, and one token where there was no match (the branch alone 1.38x -> 1.50x;
+        ~/.cache/eagle3-runs/s63/bd_cpu_a1.log)."""
         chain, n = lookup_match(self.history, cap, self.max_ngram)
         if n < OWN_MATCH and self.answers is not None:
             drafted = self.answers.chain(self.history, min(cap, self.answer_tokens))
