@@ -71,7 +71,7 @@ def test_a_plain_step_falls_back_to_the_answers_only_without_a_long_own_match():
     d = LookupDrafter(head=None, max_tokens=8, max_ngram=4, answers=answers, answer_tokens=3)
     d.history = [1, 2, 3, 4, 5, 9, 2, 3]  # a 2-token own match (OWN_MATCH): the request's own text
     assert d.plain_step(root).tokens.tolist() == [7, 4, 5]
-    d.history = [1, 2, 3, 4, 5, 3, 30, 31]  # own match "3" (1 token): the answers' chain, capped
+    d.history = [1, 2, 3, 4, 5, 3, 30, 31]  # no own match (31 is new): the answers' chain, capped
     t = d.plain_step(root)
     assert t.tokens.tolist() == [7, 32, 33, 34] and t.parents.tolist() == [-1, 0, 1, 2] and d.last_lookup == 3
     d.history = [1, 2, 3, 4, 5, 3, 99]  # the answers know nothing of 99: the 0-token own match, nothing
