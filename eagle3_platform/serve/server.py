@@ -404,15 +404,17 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path | None = None, sp
     draft = answers = None
     if draft_dir is not None:
         from eagle3_platform.draft.export import load_answer_ngrams, load_export
-        draft, answers = load_export(draft_dir, target), load_answer_ngrams(draft_dir)
+        draft = load_export(draft_dir, target)
     cfg = get_preset(spec if draft is not None else "baseline")
     if head_weights is not None:
         cfg = replace(cfg, head_weights=head_weights)
     if answer_tokens is not None and draft is not None:
-        if answer_tokens and answers is None:
+        cfg = replace(cfg, answer_tokens=answer_tokens)
+    if cfg.answer_tokens and draft is not None:  # read only where it drafts (off by default)
+        answers = load_answer_ngrams(draft_dir)
+        if answers is None and answer_tokens:
             raise ValueError(f"--answer-tokens {answer_tokens}: {draft_dir} has no answer n-gram table "
                              "(heads trained before it existed; train the head again)")
-        cfg = replace(cfg, answer_tokens=answer_tokens)
     engine = SpecEngine(target, draft, cfg, target_threads, draft_threads, answers)
     info = {"target_id": target.meta.get("target_id"), "draft": draft is not None, "dtype": target.meta["dtype"],
             "kv_cache_dtype": str(engine.cache_dtype).removeprefix("torch."),
@@ -421,7 +423,7 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path | None = None, sp
             "int4_rows": target.meta.get("int4_rows", 0), "int4_linears": target.meta.get("int4_linears", 0),
             "spec": spec if draft is not None else "baseline", "spec_config": cfg.to_dict(),
             "head_weights": engine.head_weights,  # as resolved ('auto' -> int4 | packed)
-            # contexts in the export's answer table (None: none; drafted from only with answer_tokens > 0)
+            # contexts in the answer table drafted from (None: answer_tokens 0, or the export has none)
             "answer_ngrams": len(answers) if answers is not None else None,
             "threads": {"rest": torch.get_num_threads(),  # sampling, bookkeeping
                         "head": torch.get_num_threads() if draft_threads is None

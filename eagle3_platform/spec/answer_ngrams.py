@@ -30,7 +30,7 @@ from typing import Iterable, Sequence
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from eagle3_platform.records import atomic_write
 
@@ -114,12 +114,11 @@ class AnswerNgrams:
 
     @classmethod
     def load(cls, path: str | Path) -> "AnswerNgrams":
-        t = load_file(str(path))
-        missing = {"keys", "tokens", "shares"} - set(t)
-        if missing:
-            raise ValueError(f"{path}: not an answer n-gram table (missing {', '.join(sorted(missing))})")
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
+        with safe_open(str(path), framework="pt") as f:  # one read: the tensors and the header
+            missing = {"keys", "tokens", "shares"} - set(f.keys())
+            if missing:
+                raise ValueError(f"{path}: not an answer n-gram table (missing {', '.join(sorted(missing))})")
+            t, meta = {n: f.get_tensor(n) for n in ("keys", "tokens", "shares")}, f.metadata() or {}
         if meta.get("max_ngram", str(MAX_NGRAM)) != str(MAX_NGRAM):
             raise ValueError(f"{path}: built with contexts of up to {meta['max_ngram']} tokens, this "
                              f"version reads {MAX_NGRAM}; train the head again to rebuild it")
