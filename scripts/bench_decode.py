@@ -23,6 +23,8 @@ Methods, interleaved per prompt within every repeat so machine-load drift hits a
   eagle3_X_dtN      the same with the head drafting on N threads (--draft-threads 1 N)
   oracle_chain      SpecEngine + a drafter that always proposes the engine's own greedy continuation
                     (chain, depth 4, zero draft cost): the ceiling of the verify machinery (τ = 5)
+  oracle_chainN     the same at depth N (--oracle-steps 4 N ...; τ = N + 1): where a verify's cost
+                    steps with its width (the 4-bit kernel tiles rows by 4), a shorter chain can win
 Reported per method: median over repeats of (Σ tokens / Σ seconds over the prompts), the median of
 the per-repeat ratios vs hf_greedy and vs the fastest plain row, τ (engine), the cost of one step in
 plain decode steps (engine rows; prefill excluded), greedy-output mismatches vs hf_greedy, and the token
@@ -96,14 +98,21 @@ def engine_method(engine, max_draft_tokens: int | None = None, policy: DraftSize
     return run
 
 
-def oracle_method(target, refs: dict, target_threads=None):
+def oracle_name(steps: int) -> str:
+    return "oracle_chain" if steps == PRESETS["chain"].num_steps else f"oracle_chain{steps}"
+
+
+def oracle_method(target, refs: dict, target_threads=None, steps: int | None = None):
     """The ceiling of the verify machinery: a zero-cost drafter that always proposes what the engine
     will emit. refs[prompt] starts as hf_greedy's output; `settle_oracle` makes it the engine's own
     output (in bf16 a near-tie can flip between a 5-token verify and a 1-token decode, after which
-    hf_greedy's continuation would no longer be what the engine emits)."""
+    hf_greedy's continuation would no longer be what the engine emits). steps: the chain's depth
+    (default: the chain preset's)."""
     from eagle3_platform.testing.oracle import OracleDrafter
 
     cfg = PRESETS["chain"]
+    if steps is not None:
+        cfg = replace(cfg, num_steps=steps, num_draft_tokens=steps + 1)
 
     def run(ids, max_new):
         oracle = OracleDrafter(refs[tuple(ids)], target.model.config.vocab_size, cfg.num_steps,
@@ -134,7 +143,8 @@ def eagle3_config(args, name: str, weights: str) -> SpecConfig:
 
 
 def build_methods(target, draft, args, refs: dict, bf16_target=None, stock_target=None, answers=None) -> dict:
-    """answers: the export's answer n-gram table (spec/answer_ngrams.py); with --answer-tokens N > 0,
+    """refs: per oracle row (its name), prompt -> its settled references (filled by warm_up).
+    answers: the export's answer n-gram table (spec/answer_ngrams.py); with --answer-tokens N > 0,
     each lookup row (and the policy row) also runs drafting up to N tokens from it (suffix _answersN)."""
     tt = args.target_threads
     variants = [("", 0)] + ([(f"_answers{args.answer_tokens}", args.answer_tokens)] if args.answer_tokens else [])
@@ -171,8 +181,9 @@ def build_methods(target, draft, args, refs: dict, bf16_target=None, stock_targe
                           answer_tokens=k)
             methods[f"lookup{n}_plain{tag}"] = engine_method(SpecEngine(target, draft, cfg, tt, None, answers),
                                                              max_draft_tokens=0)
-    if args.oracle:
-        methods["oracle_chain"] = oracle_method(target, refs, tt)
+    for steps in args.oracle_steps if args.oracle else ():
+        refs[oracle_name(steps)] = {}  # settled per row: a near-tie may flip with the verify's width
+        methods[oracle_name(steps)] = oracle_method(target, refs[oracle_name(steps)], tt, steps)
     return methods
 
 
@@ -279,15 +290,18 @@ def load_prompt_ids(args, tokenizer) -> list[list[int]]:
 
 
 def warm_up(methods: dict, prompts: list[list[int]], args, refs: dict) -> None:
-    """Allocator, kernels, lazy inits; hf_greedy's outputs become the oracle's starting references."""
+    """Allocator, kernels, lazy inits; hf_greedy's outputs become each oracle's starting references
+    (refs: oracle row -> prompt -> references)."""
     for ids in prompts:
-        refs[tuple(ids)] = methods["hf_greedy"](ids, args.max_new_tokens)[0]
+        greedy = methods["hf_greedy"](ids, args.max_new_tokens)[0]
+        for m in refs:
+            refs[m][tuple(ids)] = greedy
     for run in methods.values():
         run(prompts[0], 8)
-    if "oracle_chain" in methods:
-        left = settle_oracle(methods["oracle_chain"], refs, prompts, args.max_new_tokens)
+    for m in refs:
+        left = settle_oracle(methods[m], refs[m], prompts, args.max_new_tokens)
         if left:
-            print(f"[bench] oracle did not settle on {left} prompts", file=sys.stderr)
+            print(f"[bench] {m} did not settle on {left} prompts", file=sys.stderr)
 
 
 def main(argv=None) -> int:
@@ -319,6 +333,8 @@ def main(argv=None) -> int:
                     help="also run each lookup row (and the policy row) drafting up to this many tokens from "
                          "the export's answer n-gram table (spec/answer_ngrams.py; suffix _answersN); 0 = no")
     ap.add_argument("--oracle", action="store_true", help="add the oracle_chain ceiling row")
+    ap.add_argument("--oracle-steps", type=int, nargs="+", default=[PRESETS["chain"].num_steps],
+                    help="the oracle chains' depths, a row each (oracle_chain = the chain preset's 4)")
     ap.add_argument("--policy", action="store_true",
                     help="add the eagle3_X_policy row: the draft size chosen per step as a server does")
     ap.add_argument("--out", default=None)

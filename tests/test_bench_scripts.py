@@ -32,11 +32,12 @@ def test_bench_decode_rows_and_fp32_agreement(tiny_target_dir, random_head_expor
     assert bench_decode.main([
         "--target", str(tiny_target_dir), "--draft", str(random_head_export), "--prompts", str(prompts),
         "--max-new-tokens", "12", "--repeats", "1", "--dtype", "float32", "--spec", "chain",
-        "--lookup-tokens", "4", "--draft-threads", "1", "2", "--oracle", "--policy", "--out", str(out)]) == 0
+        "--lookup-tokens", "4", "--draft-threads", "1", "2", "--oracle", "--oracle-steps", "4", "2", "--policy",
+        "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     figures = result["figures"]
     spec_rows = {"eagle3_chain", "eagle3_chain_dt2", "eagle3_chain_lookup4", "eagle3_chain_lookup4_dt2",
-                 "lookup4_plain", "oracle_chain", "eagle3_chain_lookup4_policy"}
+                 "lookup4_plain", "oracle_chain", "oracle_chain2", "eagle3_chain_lookup4_policy"}
     assert spec_rows | {"hf_greedy", "engine_baseline"} <= set(figures)
     assert result["config"]["dtype"] == "float32" and result["config"]["n_prompts"] == 2
     for name in spec_rows:
@@ -44,6 +45,8 @@ def test_bench_decode_rows_and_fp32_agreement(tiny_target_dir, random_head_expor
         assert f["tok_s_median"] > 0 and f["tau"] >= 1.0, name
         assert f["token_agreement"] == 1.0, name  # fp32: greedy speculation is exact
     assert figures["oracle_chain"]["tau"] > figures["eagle3_chain"]["tau"]  # a random head rarely hits
+    # the oracle proposes what the engine emits: every step takes its whole chain but near the end
+    assert figures["oracle_chain"]["tau"] > figures["oracle_chain2"]["tau"] > 2.0
 
 
 def test_bench_regen_answers_every_prompt_on_both_paths_despite_a_preset_time_budget(
