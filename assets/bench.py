@@ -37,7 +37,8 @@ def bench_args(cfg, url: str, baseline: str, prompts, out, duration_s: int | Non
     """`eagle3 bench` argv from the preset's BenchConfig (duration_s, when given, overrides it)."""
     return ["bench", "--url", url, "--baseline-url", baseline, "--prompts", str(prompts), "--out", str(out),
             "--concurrency", ",".join(map(str, cfg.concurrency)), "--duration", str(duration_s or cfg.duration_s),
-            "--max-tokens", str(cfg.max_tokens), "--warmup-requests", str(cfg.warmup_requests)]
+            "--max-tokens", str(cfg.max_tokens), "--warmup-requests", str(cfg.warmup_requests),
+            "--warmup-waves", str(cfg.warmup_waves)]
 
 
 @asset(deps=[deployment], group_name="serving", kinds={"locust"})

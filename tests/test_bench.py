@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import pytest
 
@@ -224,7 +225,7 @@ def test_the_endpoint_that_goes_first_alternates_by_level(tmp_path, prompts_file
     monkeypatch.setattr(run, "server_info", lambda url, key: None)
     monkeypatch.setattr(run, "run_locust", locust)
     res = run.run_benchmark("http://e", prompts_file, concurrency=[1, 2, 4], duration_s=1, out_dir=tmp_path,
-                            baseline_url="http://b", warmup_requests=0, write_report=False)
+                            baseline_url="http://b", warmup_requests=0, warmup_waves=0, write_report=False)
     assert order == [("baseline", 1), ("eagle3", 1), ("eagle3", 2), ("baseline", 2), ("baseline", 4),
                      ("eagle3", 4)]
     assert [(r["endpoint"], r["concurrency"]) for r in rows(res)] == [
@@ -259,6 +260,48 @@ def test_each_endpoint_serves_its_warm_up_requests_before_the_first_cell(tmp_pat
     with pytest.raises(ValueError, match="warmup_requests"):
         run.run_benchmark("http://e", prompts_file, concurrency=[1], duration_s=1, out_dir=tmp_path,
                           warmup_requests=-1, write_report=False)
+
+
+def test_warm_up_waves_send_c_requests_at_once_at_every_level_before_the_first_cell(
+        tmp_path, prompts_file, monkeypatch):
+    """After the one-at-a-time requests, each endpoint serves `warmup_waves` waves of c concurrent
+    requests at every level c > 1 (a policy learns its costs per batch size), all before any cell."""
+    import threading
+
+    from eagle3_platform.bench import run
+    from eagle3_platform.bench.report import markdown
+
+    lock, events, in_flight, peaks = threading.Lock(), [], [0], []
+
+    class Response:
+        status_code, text = 200, ""
+
+    def post(url, json, headers, timeout):
+        with lock:
+            in_flight[0] += 1
+            events.append(("warm", url.split("/v1")[0]))
+        time.sleep(0.05)  # long enough for the rest of a concurrent wave to arrive
+        with lock:
+            peaks.append(in_flight[0])
+            in_flight[0] -= 1
+        return Response()
+
+    monkeypatch.setattr(run.httpx, "post", post)
+    monkeypatch.setattr(run, "server_info", lambda url, key: None)
+    monkeypatch.setattr(run, "run_locust", lambda url, label, c, *a, **k: events.append(("cell", label, c)) or [])
+    res = run.run_benchmark("http://e", prompts_file, concurrency=[1, 2, 4], duration_s=1, out_dir=tmp_path,
+                            baseline_url="http://b", warmup_requests=1, warmup_waves=2, write_report=False)
+    warm = [e for e in events if e[0] == "warm"]
+    assert events[:len(warm)] == warm and len(events) - len(warm) == 6  # every warm-up before the cells
+    per_endpoint = 1 + 2 * 2 + 2 * 4
+    assert [e[1] for e in warm] == ["http://b"] * per_endpoint + ["http://e"] * per_endpoint
+    assert max(peaks) == 4 and peaks[0] == 1  # the waves were in flight together; the first alone
+    assert res["config"]["warmup_waves"] == 2
+    text = markdown({**res, "headline": {}}, [])
+    assert "1 warm-up requests per endpoint, then 2 waves of c requests at once at c = [2, 4]" in text
+    with pytest.raises(ValueError, match="warmup_waves"):
+        run.run_benchmark("http://e", prompts_file, concurrency=[1], duration_s=1, out_dir=tmp_path,
+                          warmup_waves=-1, write_report=False)
 
 
 def _check_results(res, out, endpoints):

@@ -117,6 +117,16 @@ def plot_tau(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def warm_up_text(cfg: dict) -> str:
+    """What each endpoint served before the sweep, unmeasured (bench.run.warm_up)."""
+    n, waves = cfg.get("warmup_requests", 0), cfg.get("warmup_waves", 0)
+    levels = [c for c in cfg["concurrency"] if c > 1] if waves else []
+    text = f"{n} warm-up requests per endpoint"
+    if levels:
+        text += f", then {waves} wave{'s' if waves > 1 else ''} of c requests at once at c = {levels}"
+    return text + " before the sweep (not measured)"
+
+
 def markdown(results: dict, plots: list[str]) -> str:
     h = results.get("headline", {})
     cfg = results["config"]
@@ -124,7 +134,7 @@ def markdown(results: dict, plots: list[str]) -> str:
              f"Prompts: `{cfg['prompts']}` ({cfg['n_prompts']} records; workloads: "
              f"{', '.join(cfg['workloads'])}); max_tokens {cfg['max_tokens']}; "
              f"{cfg['duration_s']} s per cell; concurrency {cfg['concurrency']}; "
-             f"{cfg.get('warmup_requests', 0)} warm-up requests per endpoint before the sweep (not measured).",
+             f"{warm_up_text(cfg)}.",
              "",
              "Endpoints: " + ", ".join(f"{k} = {v}" for k, v in cfg["endpoints"].items()), "",
              "## Headline", ""]

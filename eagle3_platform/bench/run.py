@@ -9,11 +9,13 @@ through the sweep favours neither endpoint at every level.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -34,6 +36,15 @@ INFO_TIMEOUT_S = 10.0
 # 1.02x (demo head, in process, 3 rounds; ~/.cache/eagle3-runs/s59/transient.py): unwarmed, the c = 1
 # cell measured the policy's start, not the server a user keeps running.
 WARMUP_REQUESTS = 4
+# Then, per endpoint and concurrency level c > 1, this many waves of c requests sent at once: the
+# policy keeps its costs per batch-size bucket, so each level's one cell otherwise paid that bucket's
+# first exploration (drafting at the nearest bucket's size before any cost there was measured). Two
+# real servers (cpu preset, cpu head), Locust at c = 8, six 20 s cells each, alternated
+# (~/.cache/eagle3-runs/s64/abab.py): EAGLE-3 / baseline 0.914x in the first pair (draft size 0.32),
+# 0.97-1.10x (mean 1.03x) in the five after (draft size 0.02-0.19). The cpu head's report at c = 16,
+# without / with the wave: draft size 0.32 / 0.04, tok/s 0.92x / 0.97x, median TTFT 1,120 / 767 ms
+# (the baseline's 796 / 744).
+WARMUP_WAVES = 1
 
 
 @dataclass(frozen=True)
@@ -43,6 +54,7 @@ class BenchConfig:
     max_tokens: int = 64
     stop_timeout_s: int | None = None   # in-flight requests may finish; None = duration_s
     warmup_requests: int = WARMUP_REQUESTS  # per endpoint, before the sweep, not measured (0 = none)
+    warmup_waves: int = WARMUP_WAVES        # per endpoint and level c > 1: waves of c requests at once
     slack_s: int = 120                  # Locust start-up/shut-down allowance on a busy machine
     # Prompts longer than this (characters of the sent turns) are left out, so a small context
     # (tiny target: 2048) or a slow CPU prefill does not turn the sweep into a prefill benchmark.
@@ -77,20 +89,30 @@ def server_info(url: str, api_key: str | None) -> dict | None:
     return None
 
 
-def warm_up(url: str, api_key: str | None, rows: list[dict], n: int, max_tokens: int) -> None:
-    """n requests, one at a time (the rows' prompts in order, cycled), so lazy initialisation and a
-    policy's first exploration are not billed to the first measured cell (WARMUP_REQUESTS)."""
+def warm_up(url: str, api_key: str | None, rows: list[dict], n: int, max_tokens: int,
+            levels: tuple[int, ...] = (), waves: int = 0) -> None:
+    """n requests, one at a time, then for each level c > 1 `waves` waves of c requests sent at once
+    (the rows' prompts in order, cycled), so lazy initialisation and a policy's first exploration at
+    each batch size are not billed to the measured cells (WARMUP_REQUESTS, WARMUP_WAVES)."""
+    prompts = itertools.cycle(rows)
+    for _ in range(n):
+        _warm_request(url, api_key, next(prompts), max_tokens)
+    for c in (c for c in levels if c > 1):
+        for _ in range(waves):
+            wave = [next(prompts) for _ in range(c)]
+            with ThreadPoolExecutor(c) as pool:  # a failed request raises here, naming the endpoint
+                list(pool.map(lambda row: _warm_request(url, api_key, row, max_tokens), wave))
+
+
+def _warm_request(url: str, api_key: str | None, row: dict, max_tokens: int) -> None:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    for i in range(n):
-        body = {"messages": prompt_messages(rows[i % len(rows)]), "max_tokens": max_tokens,
-                "temperature": 0.0}
-        try:
-            r = httpx.post(url.rstrip("/") + "/v1/chat/completions", json=body, headers=headers,
-                           timeout=600)
-        except httpx.HTTPError as e:
-            raise ValueError(f"cannot reach {url}: {type(e).__name__}: {e}") from None
-        if r.status_code != 200:
-            raise RuntimeError(f"warm-up request to {url} failed: HTTP {r.status_code} {r.text[:300]}")
+    body = {"messages": prompt_messages(row), "max_tokens": max_tokens, "temperature": 0.0}
+    try:
+        r = httpx.post(url.rstrip("/") + "/v1/chat/completions", json=body, headers=headers, timeout=600)
+    except httpx.HTTPError as e:
+        raise ValueError(f"cannot reach {url}: {type(e).__name__}: {e}") from None
+    if r.status_code != 200:
+        raise RuntimeError(f"warm-up request to {url} failed: HTTP {r.status_code} {r.text[:300]}")
 
 
 def locust_command(url: str, concurrency: int, cfg: BenchConfig, csv_prefix: Path) -> list[str]:
@@ -150,7 +172,7 @@ def run_benchmark(url: str, prompts_path: str | Path, concurrency=(1, 2, 4, 8),
                   workload_of_prompt: Callable[[dict], str] = default_workload,
                   max_tokens: int = 64, stop_timeout_s: int | None = None,
                   warmup_requests: int = WARMUP_REQUESTS, write_report: bool = True,
-                  max_prompt_chars: int | None = None) -> dict:
+                  max_prompt_chars: int | None = None, warmup_waves: int = WARMUP_WAVES) -> dict:
     """Sweep concurrency on each endpoint; returns (and writes) results.json's content."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -165,16 +187,19 @@ def run_benchmark(url: str, prompts_path: str | Path, concurrency=(1, 2, 4, 8),
     wl = [workload_of_prompt(r) for r in rows]
     cfg = BenchConfig(concurrency=tuple(int(c) for c in concurrency), duration_s=int(duration_s),
                       max_tokens=int(max_tokens), stop_timeout_s=stop_timeout_s,
-                      warmup_requests=int(warmup_requests))
+                      warmup_requests=int(warmup_requests), warmup_waves=int(warmup_waves))
     if any(c < 1 for c in cfg.concurrency) or cfg.duration_s < 1 or cfg.max_tokens < 1:
         raise ValueError("concurrency, duration and max_tokens must be >= 1")
-    if cfg.warmup_requests < 0:
-        raise ValueError(f"warmup_requests must be >= 0, not {cfg.warmup_requests}")
+    if cfg.warmup_requests < 0 or cfg.warmup_waves < 0:
+        raise ValueError(f"warmup_requests and warmup_waves must be >= 0, not {cfg.warmup_requests} "
+                         f"and {cfg.warmup_waves}")
     endpoints = ([("baseline", baseline_url)] if baseline_url else []) + [("eagle3", url)]
-    for label, u in endpoints if cfg.warmup_requests else ():
-        print(f"[bench] {label}: {cfg.warmup_requests} warm-up requests of {cfg.max_tokens} tokens …",
-              file=sys.stderr, flush=True)
-        warm_up(u, api_key, rows, cfg.warmup_requests, cfg.max_tokens)
+    wave_levels = tuple(c for c in cfg.concurrency if c > 1) if cfg.warmup_waves else ()
+    for label, u in endpoints if cfg.warmup_requests or wave_levels else ():
+        print(f"[bench] {label}: warm-up, {cfg.warmup_requests} requests one at a time"
+              + (f", then {cfg.warmup_waves} wave(s) of c at once at c = {list(wave_levels)}" if wave_levels else "")
+              + f", {cfg.max_tokens} tokens each …", file=sys.stderr, flush=True)
+        warm_up(u, api_key, rows, cfg.warmup_requests, cfg.max_tokens, wave_levels, cfg.warmup_waves)
     servers = {label: server_info(u, api_key) for label, u in endpoints}
     runs = []
     for level, c in enumerate(cfg.concurrency):
@@ -204,6 +229,7 @@ def run_benchmark(url: str, prompts_path: str | Path, concurrency=(1, 2, 4, 8),
                   f"tau={_fmt(a['tau'])}", file=sys.stderr, flush=True)
     results = {"config": {"concurrency": list(cfg.concurrency), "duration_s": cfg.duration_s,
                           "max_tokens": cfg.max_tokens, "warmup_requests": cfg.warmup_requests,
+                          "warmup_waves": cfg.warmup_waves,
                           "prompts": str(source),
                           "n_prompts": len(rows), "prompts_skipped_too_long": skipped,
                           "max_prompt_chars": max_prompt_chars, "workloads": sorted(set(wl)),
