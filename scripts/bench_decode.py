@@ -339,6 +339,8 @@ def main(argv=None) -> int:
                     help="add the eagle3_X_policy row: the draft size chosen per step as a server does")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if min(args.oracle_steps) < 1:
+        ap.error(f"--oracle-steps: a chain of at least 1 draft token, not {min(args.oracle_steps)}")
     torch.set_num_threads(args.threads)
     target = load_target(args.target, dtype=args.dtype)
     bf16_target = None

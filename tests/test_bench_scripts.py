@@ -47,6 +47,8 @@ def test_bench_decode_rows_and_fp32_agreement(tiny_target_dir, random_head_expor
     assert figures["oracle_chain"]["tau"] > figures["eagle3_chain"]["tau"]  # a random head rarely hits
     # the oracle proposes what the engine emits: every step takes its whole chain but near the end
     assert figures["oracle_chain"]["tau"] > figures["oracle_chain2"]["tau"] > 2.0
+    with pytest.raises(SystemExit):  # refused before any model is loaded
+        bench_decode.main(["--target", str(tiny_target_dir), "--oracle", "--oracle-steps", "4", "0"])
 
 
 def test_bench_regen_answers_every_prompt_on_both_paths_despite_a_preset_time_budget(
