@@ -58,11 +58,11 @@ def serve(a) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     require_positive(max_tokens=a.max_tokens, max_queue=a.max_queue, max_batch=a.max_batch,
                      prefill_chunk=a.prefill_chunk, threads=a.threads)
-    if a.answer_tokens is not None and a.answer_tokens < 0:
-        raise ValueError(f"--answer-tokens must be >= 0 (0 = off), not {a.answer_tokens}")
-    for flag, n in (("--target-threads", a.target_threads), ("--draft-threads", a.draft_threads)):
+    for flag, n, zero in (("--answer-tokens", a.answer_tokens, "off"),
+                          ("--target-threads", a.target_threads, "every core"),
+                          ("--draft-threads", a.draft_threads, "every core")):
         if n is not None and n < 0:
-            raise ValueError(f"{flag} must be >= 0 (0 = every core), not {n}")
+            raise ValueError(f"{flag} must be >= 0 (0 = {zero}), not {n}")
     api_key = a.api_key or os.environ.get(API_KEY_ENV)
     check_api_key(api_key)  # before the model loads: a key no client can send is a startup error
     cfg = PRESETS[a.preset].with_(host=a.host, port=a.port, max_tokens=a.max_tokens,
