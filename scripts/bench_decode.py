@@ -102,17 +102,14 @@ def oracle_name(steps: int) -> str:
     return "oracle_chain" if steps == PRESETS["chain"].num_steps else f"oracle_chain{steps}"
 
 
-def oracle_method(target, refs: dict, target_threads=None, steps: int | None = None):
+def oracle_method(target, refs: dict, target_threads, steps: int):
     """The ceiling of the verify machinery: a zero-cost drafter that always proposes what the engine
     will emit. refs[prompt] starts as hf_greedy's output; `settle_oracle` makes it the engine's own
     output (in bf16 a near-tie can flip between a 5-token verify and a 1-token decode, after which
-    hf_greedy's continuation would no longer be what the engine emits). steps: the chain's depth
-    (default: the chain preset's)."""
+    hf_greedy's continuation would no longer be what the engine emits). steps: the chain's depth."""
     from eagle3_platform.testing.oracle import OracleDrafter
 
-    cfg = PRESETS["chain"]
-    if steps is not None:
-        cfg = replace(cfg, num_steps=steps, num_draft_tokens=steps + 1)
+    cfg = replace(PRESETS["chain"], num_steps=steps, num_draft_tokens=steps + 1)
 
     def run(ids, max_new):
         oracle = OracleDrafter(refs[tuple(ids)], target.model.config.vocab_size, cfg.num_steps,
