@@ -91,13 +91,13 @@ def server_info(url: str, api_key: str | None) -> dict | None:
 
 def warm_up(url: str, api_key: str | None, rows: list[dict], n: int, max_tokens: int,
             levels: tuple[int, ...] = (), waves: int = 0) -> None:
-    """n requests, one at a time, then for each level c > 1 `waves` waves of c requests sent at once
-    (the rows' prompts in order, cycled), so lazy initialisation and a policy's first exploration at
+    """n requests, one at a time, then for each level c in `levels` `waves` waves of c requests sent at
+    once (the rows' prompts in order, cycled), so lazy initialisation and a policy's first exploration at
     each batch size are not billed to the measured cells (WARMUP_REQUESTS, WARMUP_WAVES)."""
     prompts = itertools.cycle(rows)
     for _ in range(n):
         _warm_request(url, api_key, next(prompts), max_tokens)
-    for c in (c for c in levels if c > 1):
+    for c in levels:
         for _ in range(waves):
             wave = [next(prompts) for _ in range(c)]
             with ThreadPoolExecutor(c) as pool:  # a failed request raises here, naming the endpoint
