@@ -10,12 +10,10 @@ drafts from the table (lookup.py; SpecConfig.answer_tokens > 0): the longest con
 decides each next token, and the chain ends where that token's share is below MIN_SHARE (a context
 followed by many different tokens predicts none of them).
 
-Simulated on SmolLM2's greedy answers to 60 held-out prompts (32 MT-bench first turns and 28 of the
-workloads' eval prompts), drafting at every step and counting the accepted tokens + 1
-(~/.cache/eagle3-runs/s63/corpus_sim.py): the request's own text alone τ 1.52; with this table, from the
-demo run's 14k answer tokens 1.63, from the cpu run's 218k 1.76 (chat 1.47 -> 1.73, code 1.75 -> 2.29).
-Contexts of up to 4 tokens gave all of it (6: +0.006). In the engine the speed is another matter on a
-box where a wider verify is dear: see SpecConfig.answer_tokens (off by default).
+Simulated on SmolLM2's greedy answers to held-out prompts, drafting at every step, the table lifts
+τ over the request's own text alone, more the more answers it was built from; contexts of up to 4
+tokens give all of it. In the engine the speed is another matter on a machine where a wider verify is
+dear: see SpecConfig.answer_tokens (off by default).
 
 Storage: a context is keyed by a 62-bit hash (two 31-bit polynomial hashes of its tokens and its
 length), so the table is three flat tensors (sorted keys, tokens, shares; 16 bytes a context) in a

@@ -1,6 +1,6 @@
 """A running batch of speculative-decoding requests: chunked prefill, one batched verify step.
 
-State of a running request r between steps (DESIGN §5, per row of the batch):
+State of a running request r between steps (docs/ARCHITECTURE.md §5, per row of the batch):
   target KV cache row = tokens 0..n-1 (committed);  pending = x_n, the last emitted token, not cached;
   drafter             = entries 0..n-1 + h_last predicting x_{n+1} (see drafter.py).
 A step drafts a tree rooted at every row's x_n, runs the target ONCE over all rows' trees (padded to
@@ -114,7 +114,7 @@ class Batch:
         e, (start, end) = self.engine, self._chunk(r, max_tokens)
         t0 = time.perf_counter()
         # only the last position's logits are read (the first token): the lm_head over a whole chunk
-        # was ~12% of a SmolLM2 prefill (1 thread, bf16)
+        # is ~12% of a SmolLM2 prefill (1 thread, bf16)
         logits, aux = e.forward(torch.tensor([r.ids[start:end]]), None, None, r.prompt_cache, r.drafter,
                                 logits_to_keep=1)
         first = self._prefilled(r, end, logits, aux, time.perf_counter() - t0)

@@ -1,4 +1,4 @@
-"""Speculative decoding settings, named so they map 1:1 onto SGLang's flags (DESIGN.md §6).
+"""Speculative decoding settings, named so they map 1:1 onto SGLang's flags (docs/ARCHITECTURE.md §6).
 
     --speculative-num-steps        = num_steps        (draft depth: draft forwards per verify)
     --speculative-eagle-topk       = eagle_topk       (children per expanded node; 1 = chain)
@@ -27,17 +27,15 @@ class SpecConfig:
     # Prompt lookup beside the head (lookup.py; the embedded engine only, not an SGLang flag): up to
     # lookup_tokens tokens that followed the latest earlier occurrence of the last lookup_ngram (or
     # fewer) tokens join the tree as one more branch, at most 2^(n-1) of them for an n-token match
-    # (a 4-gram match was followed by 4.4 accepted tokens on average; lookup.py). 0 = the head's tree alone.
+    # (a long match is mostly right; lookup.py). 0 = the head's tree alone.
     lookup_tokens: int = 0
     lookup_ngram: int = 4
     # The branch's second source (answer_ngrams.py; the embedded engine only): in a plain step of a row
     # alone whose own text matches fewer than 2 tokens, up to answer_tokens tokens drafted from an
     # n-gram table of the target's training answers (exported beside the head). 0 = off, the default:
-    # on the 2-core Intel box without avx512_bf16 (fp32 on the 4-bit codes; a 4-token verify costs 1.27
-    # plain steps, a 2-token one 1.09) it lifts the branch alone but not the server's way (cpu head, 1
-    # answer token, x HF generate: the branch alone 1.46x -> 1.54x, τ 1.38 -> 1.49; the server's way
-    # 1.53x -> 1.52x; ~/.cache/eagle3-runs/s63/answers_ab_cpu.log). Where a verify costs about a decode
-    # step (bf16 on AMX, a GPU) longer chains should pay; measure with bench_decode --answer-tokens.
+    # on a CPU where a 4-token verify costs well over a plain step it lifts the branch alone but not
+    # the server's way. Where a verify costs about a decode step (bf16 on AMX, a GPU) longer chains
+    # should pay; measure with bench_decode --answer-tokens.
     answer_tokens: int = 0
     # The head's weights in the embedded CPU engine (draft/quant.py; not an SGLang flag): "int8" reads
     # half the bytes per draft forward (a batch-1 draft step is bound by weight reads), "packed" keeps
@@ -45,11 +43,8 @@ class SpecConfig:
     # 4-bit grid and drafts a few rows on its codes (draft/quant.int4_head), "native" keeps it as trained.
     # Output is lossless in every case: only the drafted tokens may differ. "auto" (the default) is
     # "int4" where the target itself decodes on 4-bit codes (load_target's int4_rows), in fp32 or bf16:
-    # demo head, bench_decode, fp32 on the Intel box: a chain_adaptive step 1.23 -> 1.13 plain steps, τ
-    # unchanged, 28.2 -> 30.7 tok/s (+ prompt lookup 29.4 -> 32.3); bf16 on the AMD EPYC of session 47:
-    # 1.27 -> 1.19 (+ lookup 1.34 -> 1.26, 1.10x -> 1.16x HF generate), τ unchanged. Else "packed":
-    # with the target packed too, it drafts the fastest (demo head, bf16: a step 1.18 vs 1.21 plain
-    # decode steps with int8; 1.35x vs 1.32x HF greedy, the same run).
+    # a draft step then costs ~0.9x what it does with int8, acceptance unchanged. Else "packed": with
+    # the target packed too, it drafts the fastest.
     head_weights: str = "auto"
 
     def __post_init__(self):
@@ -82,8 +77,8 @@ PRESETS: dict[str, SpecConfig] = {
     # SpecForge/SGLang chain style: topk 1, each step drafts one token; root + depth nodes verified.
     "chain": SpecConfig(num_steps=4, eagle_topk=1, num_draft_tokens=5),
     # The CPU deployment's chain: draft tokens the head itself gives < 10% (path probability) are not
-    # verified. Demo head, bf16, held-out MT-bench (scripts/bench_decode.py): 0.90x -> 1.00x of HF greedy,
-    # step 1.35x -> 1.14x of a decode step, tau 1.24 -> 1.19. SGLang gets the same three ints.
+    # verified: a step costs ~15% less for a slightly lower tau (scripts/bench_decode.py). SGLang gets
+    # the same three ints.
     "chain_adaptive": SpecConfig(num_steps=4, eagle_topk=1, num_draft_tokens=5, min_draft_prob=0.1),
     # chain_adaptive + a prompt-lookup branch of up to 8 tokens (spec/lookup.py): a small target often
     # continues what it or the prompt already said.

@@ -1,4 +1,4 @@
-"""Tree drafting with an EAGLE-3 head and its own KV cache (DESIGN.md §5, EAGLE-2 style tree).
+"""Tree drafting with an EAGLE-3 head and its own KV cache (docs/ARCHITECTURE.md §5, EAGLE-2 style tree).
 
 Draft entries mirror the target's committed tokens: entry t reads (g_t, emb(x_{t+1})) at RoPE position
 t and its output predicts x_{t+2} (the training alignment). Invariant between verify steps: the draft
@@ -90,11 +90,8 @@ class DraftKV:
 # Entries of a backlog the head appends when it drafts again (None: all); older ones are skipped.
 # PROMPT_WINDOW: a row's first draft (its prompt); RESUME_WINDOW: a return after steps decoded without
 # a draft (a server's re-measure catches up every row's at once). The head reads the target's features,
-# which carry the context, and barely its own older entries: demo head, fp32, 30 report prompts x 96
-# tokens (~/.cache/eagle3-runs/s56/window.py): drafting every step, mean accepted 0.214 with the whole
-# prompt and 0.213 with 32 entries of it; after every 24 plain steps, 0.255 with the whole backlog,
-# 0.255 with 8 entries and 0.268 with both windows, the head's catch-up 1.10 -> 0.46 s. In the
-# server's worker at C = 8 the catch-up took 2.7% of the wall, 0.9% with both (s56/sweep.py).
+# which carry the context, and barely its own older entries: the windows keep acceptance about the same
+# and cut the head's catch-up by more than half. SGLang's head attends the whole prefix (None, None).
 PROMPT_WINDOW: int | None = 32
 RESUME_WINDOW: int | None = 8
 

@@ -1,4 +1,5 @@
-"""The speculative decoding engine: EAGLE-3 tree drafting + one-forward tree verification (DESIGN §5).
+"""The speculative decoding engine: EAGLE-3 tree drafting + one-forward tree verification
+(docs/ARCHITECTURE.md §5).
 
 The engine holds what every request shares (target, head, settings); the decoding itself happens in a
 `Batch` (batch.py): requests prefill, join, step together and leave. `stream`/`generate` serve one
@@ -10,11 +11,10 @@ each request builds its own drafter state. `last_stats` belongs to the most rece
 Threads: `target_threads` runs the target's forwards (prefill chunks, verify steps) and the head's
 catch-up over a prompt on more cores than the rest, `draft_threads` the head's drafting. On 2 cores
 (SmolLM2, bf16, batch 1) a target forward is 1.3x faster on 2 threads, a prefill 1.85x; drafting, a
-chain of small ops, was slower split in two on the boxes of sessions 16-22 and is 1.2-1.3x faster on
-two on the Intel box of session 23 (serve/config.py). Both switch the count only around their own
-work, in the engine's thread: the rest (sampling, bookkeeping, a server's other threads) keeps the
-caller's count, since more threads there contend for the cores (a baseline server whose every thread
-took both cores decoded 1.25x slower).
+chain of small ops, gains or loses from a second thread depending on the CPU (serve/config.py). Both
+switch the count only around their own work, in the engine's thread: the rest (sampling, bookkeeping, a
+server's other threads) keeps the caller's count, since more threads there contend for the cores (a
+baseline server whose every thread took both cores decoded 1.25x slower).
 """
 from __future__ import annotations
 

@@ -1,21 +1,16 @@
 """The target's forward for the engine's decode and verify steps, Llama-style decoders on CPU.
 
-A step of SmolLM2-135M is ~17 ms of weight reads and ~19 ms of everything else at batch 1 (bf16, 2
-threads), and transformers' own forward adds to the second part: mask preparation, output-capture
-wrappers, keyword plumbing through every layer, and the forward hooks that take the EAGLE-3 features.
-This loop calls the same modules and functions in the same order (so the same arithmetic: logits and
-features equal transformers' forward, the tests), without that plumbing: a batch-1 target forward
-36.6 -> 33.3 ms, a 5-token verify 43.0 -> 40.7 ms (~/.cache/eagle3-runs/s22/lean.py); engine steps
-3-7% faster at batch 1-8, plain and 4-token verify alike, none at 16 (s22/stepab.py).
-
-Since then the loop makes fewer calls (session 51): a decode step at batch 1 was ~3,000 small torch
-ops, each ~1-1.5 µs of dispatch beside ~6 ms of kernels. Where load_target fused the siblings
+A step of SmolLM2-135M is about half weight reads and half everything else at batch 1, and
+transformers' own forward adds to the second part: mask preparation, output-capture wrappers, keyword
+plumbing through every layer, and the forward hooks that take the EAGLE-3 features. This loop calls
+the same modules and functions in the same order (so the same arithmetic: logits and features equal
+transformers' forward, the tests), without that plumbing, and with fewer calls: a decode step is
+thousands of small torch ops, each ~1 µs of dispatch. Where load_target fused the siblings
 (packed_linear.fuse_siblings), q/k/v and gate/up are one matmul each, called directly; the norms'
-forward is called without nn.Module's call machinery; q and k turn together under one RoPE (rotate_half's sign
-folded into sin, so a roll replaces slice-negate-concatenate); each layer's parts are looked up once
-per model (_Layer), not through nn.Module attributes and calls. Same ops on the same numbers, so the
-same values: greedy output unchanged, plain engine steps 1.21x / 1.15x / 1.08x faster at batch
-1 / 4 / 8 and EAGLE-3 at batch 1 1.13x (SmolLM2 bf16, 2 threads; ~/.cache/eagle3-runs/s51/stepab2.jsonl).
+forward is called without nn.Module's call machinery; q and k turn together under one RoPE
+(rotate_half's sign folded into sin, so a roll replaces slice-negate-concatenate); each layer's parts
+are looked up once per model (_Layer), not through nn.Module attributes and calls. Same ops on the
+same numbers, so the same values and greedy output; plain engine steps run ~1.1-1.2x faster.
 
 It runs only what a step hands it: an explicit mask over a cache (or one row's one token, which needs
 none) on a model whose layers look like Llama's and attend with attention.py's kernel, plus any prompt
@@ -60,9 +55,8 @@ def mixed_forward(model, ids, pos, mask, cache, layer_ids=(), logits_to_keep: in
                   prompts=()):
     """step_forward, with prompt chunks riding along: prompts = [(ids [1,c], cache)], each chunk
     continuing its prompt's own cache (c tokens after the cached ones, causal). Every linear runs
-    once over the step's B*q tokens and the chunks' (a step at batch 7 and an 84-token chunk: 148 ms
-    together against 93 + 110 ms apart, ~/.cache/eagle3-runs/s42/fused.py): the weights are read
-    once, and a prefill forward's fixed cost goes. Attention stays per part, each over its own cache.
+    once over the step's B*q tokens and the chunks' (together ~0.7x the time of both apart): the
+    weights are read once, and a prefill forward's fixed cost goes. Attention stays per part, each over its own cache.
     -> (logits, aux as step_forward, [(last logits [1,1,V], aux [1,c,3H] | None)] per chunk)."""
     base = model.model
     B, q = ids.shape

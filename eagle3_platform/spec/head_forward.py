@@ -1,14 +1,13 @@
 """The draft head's forward while drafting: Eagle3Draft.backbone and .logits (draft/model.py) in the
 target step's idioms (forward.py).
 
-A chain of 4 runs the head's one layer 4-5 times a step, each a one-row forward of ~1.5 ms with its
-logits on the Intel box in fp32, of which its five 4-bit matmuls take ~0.4 ms: the rest is ~110 small
-ops and a dozen nn.Module calls (~/.cache/eagle3-runs/s57/hfwd.py). Here the head's parts are looked
-up once per head (_HeadPlan); q|k|v and gate|up are one matmul each, called directly; fp32 norms are
-torch's rms_norm; q and k turn together under one RoPE whose cos and sign-folded sin are read from a
-table of positions (one embedding lookup, not the rotary module's per-call matmul, cos and sin).
-Same ops on the same numbers as backbone + logits: the same drafts (tests: within rounding). Attention
-is the head's own (Eagle3Draft.attend).
+A chain of 4 runs the head's one layer 4-5 times a step, each a one-row forward of which its five 4-bit
+matmuls take about a quarter: the rest is ~110 small ops and a dozen nn.Module calls. Here the head's
+parts are looked up once per head (_HeadPlan); q|k|v and gate|up are one matmul each, called directly;
+fp32 norms are torch's rms_norm; q and k turn together under one RoPE whose cos and sign-folded sin are
+read from a table of positions (one embedding lookup, not the rotary module's per-call matmul, cos and
+sin). Same ops on the same numbers as backbone + logits: the same drafts (tests: within rounding).
+Attention is the head's own (Eagle3Draft.attend).
 
 Only drafting runs here; training and the exporter's checks call the module's backbone.
 """

@@ -6,33 +6,20 @@ are often a copy of what followed the last occurrence of the current n-gram. Tha
 the tail of the sequence (the pending root included) is matched against the earlier tokens, longest
 n-gram first (lookup_ngram down to 1), latest occurrence first, and the tokens that followed become
 a chain hung under the root. Where its first tokens agree with the head's tree it shares those nodes.
-A longer match earns a longer chain, at most 2^(n-1) tokens for an n-token match: on SmolLM2's greedy
-answers to 32 held-out MT-bench questions (~/.cache/eagle3-runs/s28/sim_lookup.py) the first token
-after a 1-token match was right 21% of the time (0.48 of 7.4 proposed tokens accepted), after a
-4-token match 84% (4.4 accepted), and every proposed token widens the verify. Demo head,
-chain_adaptive + lookup 8, 12 prompts, 96 tokens, interleaved (s28/lookup_ab.py): 0.92x of plain
-decoding with a flat 8 tokens per match, 1.09x with the rule, 1.11x with it and 4-grams.
+A longer match earns a longer chain, at most 2^(n-1) tokens for an n-token match: the first token
+after a 1-token match is right about a fifth of the time, after a 4-token match most of the time,
+and every proposed token widens the verify.
 Verification is unchanged (sampling.py), so output is too: greedy output equals target greedy
 decoding whatever either drafter proposes; the branch only adds verify width (in bf16 on CPU, 5 more
 query tokens cost about as much as one).
 
 A match also rides the server's plain steps at batch 1 (`plain_step`, batch.py): where the draft-size
 policy decodes plainly because the head's forwards do not pay, a copy still costs no forward, and a
-verify of up to 9 tokens costs 1.05-1.54 decode steps at batch 1 (AMD EPYC, bf16 on the codes;
-~/.cache/eagle3-runs/s47/qcost.py). Any match, not only long ones: a 1-token match's lone token is right
-a fifth of the time, for a verify of 2 tokens that costs 5% more than 1. Demo head's engine at draft
-size 0, 18 Locust prompts, 64 tokens, decode only (s48/ride_ab.py): 1.20x plain decoding with matches
-of 3+ tokens (session 47's rule), 1.26x with 2+, 1.30x with any (tau 1.26 / 1.35 / 1.43); policy servers
-at c = 1, any match vs 3+: 1.02x, 1.01x, 1.00x, 1.00x (s48/ab1). The policy credits what they accept
-to plain decoding (policy.py).
+verify of a few tokens costs little more than one decode step at batch 1, so any match is verified.
 At batch 2 a plain step verifies only matches of 3+ tokens, chains of at most 4: the verify is padded
-to the wider row, and 2 rows of 5 tokens leave the int4 kernel (a step 1.55x a plain one), so only
-matches whose copy is mostly right pay (on the report's prompts: a row proposes in 13% of its steps,
-1.98 tokens accepted each; ~/.cache/eagle3-runs/s53/lookupsim.py). The server's worker in process at
-c = 2, modes rotated in 20 s rounds (s53/lookupb2.py, lookupb3.py): 1.002x, 1.030x, 1.016x the
-baseline engine against 0.977x, 0.945x, 0.979x without (12 of 16 rounds ahead). From 4 rows up an
-extra verified token costs more than it brings (s53/qcostB.py, partcost2.py: at batch 8 a 9th row
-leaves the int4 kernel, +41% a step).
+to the wider row and a wider verify leaves the int4 kernel, so only matches whose copy is mostly
+right pay. From 4 rows up an extra verified token costs more than it brings. The policy credits what
+plain steps accept to plain decoding (policy.py).
 
 This is the embedded engine's addition (SGLang's EAGLE-3 worker has no lookup branch; its NGRAM
 algorithm is a separate drafter), so reports name it apart from the head's own acceptance.
@@ -45,7 +32,7 @@ from eagle3_platform.spec.answer_ngrams import OWN_MATCH, AnswerNgrams
 from eagle3_platform.spec.tree import Tree
 
 
-PLAIN_STEP_MATCH = 1  # the shortest match a plain step verifies (session 47: 3; any is better at batch 1)
+PLAIN_STEP_MATCH = 1  # the shortest match a plain step verifies (any match pays at batch 1)
 PAIR_STEP_MATCH, PAIR_STEP_TOKENS = 3, 4  # ... of two rows, and the longest chain it verifies there
 PLAIN_LOOKUP_ROWS = 2  # plain steps of at most this many rows verify lookup matches
 
@@ -133,19 +120,17 @@ class LookupDrafter:
         """The head's tree + the lookup branch. A server's per-step draft size max_tokens caps each
         branch's depth (the head's tree and the lookup chain alike), so every draft size verifies the
         same two kinds of candidates and the policy's per-depth acceptance (policy.py) holds across
-        sizes. (Capping their sum instead, the branch filling what the head left, measured worse: the
-        policy then settled at ~3 nodes at batch 1, 0.96x of plain decoding, bench_batch.py.)"""
+        sizes. (Capping their sum instead, the branch filling what the head left, measured worse:
+        bench_batch.py.)"""
         cap = self.max_tokens if max_tokens is None else min(self.max_tokens, max_tokens)
         return self._branch(tree, lookup(self.history, cap, self.max_ngram))
 
     def _chain(self, cap: int, min_match: int) -> list[int]:
         """A plain step's branch: the request's own continuation after a match of OWN_MATCH+ tokens,
         else the answers' chain where they have one, else the own match if it has min_match+ tokens.
-        Only plain steps draft from the answers: beside the head's chain their branch made the verify
-        wider than the 4-row tile of the int4 kernel (the head + lookup 8, cpu head: 1.49x -> 1.48x HF
-        generate with 1 answer token), while in place of a plain step's weak 1-token own match it costs
-        no more width, and one token where there was no match (the branch alone 1.38x -> 1.50x;
-        ~/.cache/eagle3-runs/s63/bd_cpu_a1.log)."""
+        Only plain steps draft from the answers: beside the head's chain their branch makes the verify
+        wider than the 4-row tile of the int4 kernel for no gain, while in place of a plain step's weak
+        1-token own match it costs no more width, and one token where there was no match."""
         chain, n = lookup_match(self.history, cap, self.max_ngram)
         if n < OWN_MATCH and self.answers is not None:
             drafted = self.answers.chain(self.history, min(cap, self.answer_tokens))

@@ -3,108 +3,28 @@
 A step over B sequences with draft size k costs c(B, k) seconds (drafting + one verify forward over
 about B·(k+1) tokens) and emits B·(1 + a(k)) tokens, a(k) = mean accepted draft tokens per sequence.
 On a CPU a 5-token verify costs about one decode at B = 1 but several at B = 8, so the best k falls
-as the batch grows. The policy picks the k with the most tokens per second,  (1 + a(k)) / c(B, k)·B.
-This is what SGLang users tune by hand with --speculative-num-draft-tokens, chosen per step here.
+as the batch grows. The policy picks, per step, the k with the most tokens per second,
+(1 + a(k)) / c(B, k)·B: what SGLang users tune by hand with --speculative-num-draft-tokens.
 
-Acceptance and depth: a draft is cut where the head doubts it (min_draft_prob) and a cap k only
-limits how deep it may go, so a step is charged for the depth its drafts reached, not for k. Per depth
-d, each conditional on the parent: r_d = P(a draft that reached depth d-1 goes on to d), h_d = P(a
-depth-d token is accepted | its parent was and it was drafted). Then g_d = P(d tokens accepted) =
-prod over j <= d of r_j·h_j (never above the parent's), and a(k) = g_1 + ... + g_k. Why conditional:
-P(2 accepted) moves with the workload (a chat turn ~0.01, code ~0.5 for the demo head) mostly through
-g_1, which every drafting step measures, while h_2 is measured only where it matters (steps whose depth
-1 was accepted, mostly code), so a re-measure at k + 1 during code moves it where it matters. Before
-(unconditional g_d), one chat request wrote depths 2-4 off and the policy stayed at k = 1 at batch 1
-through the code requests that followed: 0.80x of plain decoding's decode time where a fixed cap of 4
-gave 0.73x; conditional, 0.74x (demo head, 36 held-out prompts one at a time, 1 thread, session 15).
-(Means that age, so one fresh re-measure replaces a stale value, were tried and dropped: at batch 1
-one step is one coin flip, and the choice followed the flips down to plain decoding.) Each is a
-running mean that starts from one optimistic pseudo-step (1.0) and averages its first 1/EMA updates,
-so one unlucky early step cannot write a depth off for good.
-Cost: per batch-size bucket (1, 2, 3-4, 5-8, 9-16, ...; neighbouring sizes cost about the same per
-sequence), a running least-squares line  c/B = c0 + c1·m  in the deepest draft m of the step's rows
-(drafting runs that many forwards of the head and the verify is padded to the widest row). A cap k is
-predicted to reach E[m] = sum over d <= k of P(some of the B rows drafts depth d). Every step refines
-the line of its bucket, whatever its k, so wall-time noise averages out over all steps instead of one
-cell per k, and the cost of a k never measured in the bucket is predicted rather than paid for.
-Plain decoding (k = 0) is judged by its own steps: a bucket measures one as soon as its line is ready,
-and from then on k = 0 is always a candidate, predicted by the running mean of its plain steps rather
-than read off the line. (It used to wait for the bucket's first re-measure, explore_every steps after
-the choice last changed: at batch 2 on 2 cores the first 62 steps walked over sizes 4, 3, 2, 1, each
-slower than plain decoding, before plain decoding was measured at all; s41/c2trace.py.) Plain
-decoding runs no head at all, so the first depth costs more than the next ones (the head's forward,
-its catch-up, a verify of twice the tokens): a line through all the steps put plain decoding above its
-cost, and since each further depth paid on that line, the walk down one size at a time could stall
-at 1-4. At batch 8 on 2 cores (Locust, c = 8, 60 s) the policy spent 203 of 370 steps at
-k = 1 before it reached 0, which its final line put 13% faster.
-A plain step of one or two rows still verifies their prompt-lookup matches (lookup.py, batch.py): no
-head forward, so it is timed as plain decoding, off the line, and the lookup tokens it accepted are
-credited to k = 0: rate(0) = (1 + a0) / c0, a0 a running mean per plain step and row. Drafts are
-rated with the tokens their own lookup branch adds; before, plain steps with a match were not timed
-and k = 0 was worth one token, which favoured drafting wherever the request's text repeats. Since a0
-moves with the text, in such a bucket every third re-measure is of plain decoding, whatever size is
-chosen: from k = 4 the walk to it through 3, 2, 1 would not happen (the test's weak head without it:
-23-100% of the last 200 steps still drafting in 3 of 6 seeds, against 0.5-7.5% with it).
-Plain decoding's mean forgets per step of its bucket, as the line does, not per plain step: a plain
-step that comes after g steps of drafting weighs 1 - (1 - EMA)^g. Where drafting is the choice, plain
-steps are re-measures up to MAX_EXPLORE_GAP steps apart, and this box's speed drifts up to 2x within
-minutes (the same 24 requests through the baseline worker: 53 s, then 90 s; s31/loop2.py), as does a
-step's cost from one request's context length to the next. A plain mean that moved 10% per plain step
-kept a cost measured in a slow minute for thousands of steps: with the machine 3x slower for its first
-80 steps and plain decoding 16% faster per token, 7 of 10 seeded runs stayed on drafts (the test).
-A plain step counts at most PLAIN_STALL times that mean, on the line too: a single stalled step
-(seen in 2 of 8 cold cells at batch 8: 264 ms against ~27, cause not found: no realloc, no GC in
-it) took the mean from 3.3 to 6.3 ms a sequence, the policy went to drafts at ~2x a plain step's
-cost for ~1.4x its tokens, and, measuring no plain step while drafting, stayed there ~110 steps
-(that cell 133 tok/s, the others 152-180; ~/.cache/eagle3-runs/s54/episodes.py). Clipped, a real
-slowdown is still followed, at up to 5% a plain step. A stalled draft step is not clipped: it can
-only push the choice toward plain decoding, and a re-measure brings it back.
-Exploration: a bucket seen for the first time starts from the best k of the nearest measured bucket
-(k_max on the very first step), then, while the drafts' depth has not varied there, a neighbouring
-size, which gives the line a second point; a size is only chosen within one of the sizes measured in
-its bucket, so the range widens step by step, and never above what the nearest smaller bucket chose
-(DraftSizePolicy.cap: more rows never draft more than fewer rows found worth it). A neighbour of the best k is measured again after
-`explore_every` steps of a bucket, so the choice follows the load and the acceptance. A neighbour
-predicted more than CLOSE_RATE slower doubles the wait before the next re-measure (up to
-MAX_EXPLORE_GAP steps); a change of choice resets it. Why back off: where one size
-clearly wins (plain decoding at batch 8 on 2 cores) every re-measure is a step at a losing size plus
-the head's catch-up over the steps it skipped, ~10% of throughput at a fixed 1 in 16
-(scripts/bench_batch.py); where sizes are close, a re-measure costs little and keeps the line honest.
-A k is only left for one predicted to be `SWITCH_MARGIN` faster (no flapping on noise).
-Drafting after plain steps also pays the head's catch-up: the steps decoded without a draft are
-appended to every row's draft KV before it drafts again (batch.py times it apart from the step, so the
-line and the plain mean compare steady states). It is measured at each first draft after plain steps
-(with the prompts of the rows that joined meanwhile, which that draft appends too) and reported,
-not charged to a size's rate: with the cpu head on 2 cores it was ~10 ms a return at batch 2 and
-5-7 ms at batch 1 (s41/c2trace2.py), ~1.5% of a step, and a charge spread over explore_every steps
-kept the policy on plain decoding after a long plain stretch (whose return carries a long backlog,
-once) when a draft had become 4-5% faster.
-It sets how often re-measures come instead. At batch 8 on 2 cores (demo head, 8 closed-loop clients;
-~/.cache/eagle3-runs/s52/trace2.py) a re-measure of k = 1 from plain decoding took 54-67 ms against
-a 25 ms plain step, most of it the head catching up on eight rows' plain steps and on the prompts of
-the rows that joined meanwhile, and re-measures came every ~14 steps (a line within a few % of plain
-decoding flipped the choice, and a new choice re-measures soon): ~10% of the time. Each re-measure's
-cost beyond what the incumbent takes for as many tokens, its catch-up included, is averaged per
-(bucket, incumbent) in incumbent steps, and the next re-measure waits at least that over
-EXPLORE_BUDGET (3%: one worth two plain steps comes every ~70 steps, one that costs nothing at the
-base rate). (Since session 56 a catch-up appends only the newest entries of a backlog, drafter.py's
-RESUME_WINDOW and PROMPT_WINDOW, so both costs below are smaller than the figures here, measured before.)
-New requests' prompts are charged: a row's first draft appends its whole prompt to the head's KV
-(~5-8 ms for a chat prompt), which drafting pays once per request and plain decoding never. Per
-bucket, while drafting goes on, each prompt caught up is spread over the drafting steps since the
-previous one, per sequence, in a running mean (forgetting per step, as plain's) added to every draft
-size's cost: at batch 1 a 64-token request spreads one prompt over ~45 steps (~1% of a step); at
-batch 8 one joins every ~8 steps (~3%), which turns a 1-token draft even with plain decoding in step
-cost into a loss. The prompts a return from plain decoding appends are that return's catch-up, not
-a sample of the charge: spread over the plain stretch they missed every request that joined and
-finished undrafted in it (8 prompts over 200 steps at batch 8 read 0.32x the steady charge), and
-the mean, which forgets per step, took that value whole, right where the choice to return is made.
-(Spread over single steps instead, the mean swung 0.7-1.4x between joins.)
-Both, measured together (~/.cache/eagle3-runs/s52/inproc2.py: the server's worker in process, demo
-head, C closed-loop clients, 4 rounds of 20 s cells, the modes rotated in one process), output tok/s
-against the baseline engine's, before -> after: C = 8 0.902x -> 0.982x, C = 2 0.975x -> 0.966x, C = 1
-1.061x -> 1.144x; the head forced to plain decoding (a row alone still verifying its lookup match)
-1.014x, 1.038x, 1.178x: with this head the policy still drafts where it should not, less often.
+Acceptance: per depth d, r_d = P(a draft that reached d-1 goes on to d) and h_d = P(a depth-d token is
+accepted | its parent was), so a(k) = sum over d <= k of prod over j <= d of r_j·h_j. Conditional
+rates keep one chat request (low acceptance) from writing off the depths that code requests use.
+Each is a running mean that starts from one optimistic pseudo-step, so one unlucky early step cannot
+write a depth off for good.
+
+Cost: per batch-size bucket (powers of two), a running least-squares line c/B = c0 + c1·m in the
+deepest draft m of the step; every step refines it, so the cost of an unmeasured k is predicted, not
+paid for. Plain decoding (no head at all, so off the line) has its own running mean, is always a
+candidate once measured, and is credited with the prompt-lookup tokens its plain steps accept. One
+stalled plain step counts at most PLAIN_STALL times that mean; the head's catch-up after plain steps
+and new requests' prompts are charged to drafting, not to a size's line.
+
+Exploration: a new bucket starts from the nearest measured bucket's choice and widens one size at a
+time, never above what a smaller bucket chose (cap). A neighbour of the best k is re-measured every
+`explore_every` steps, backing off (up to MAX_EXPLORE_GAP) where it is clearly worse and keeping
+re-measures within EXPLORE_BUDGET of the time; a k is left only for one SWITCH_MARGIN faster.
+Invariants: 0 <= k <= cap(bucket) <= k_max, and once a bucket has timed a plain step plain decoding
+is always a candidate there, so a head that does not pay on this machine and load is not used.
 """
 from __future__ import annotations
 
@@ -204,11 +124,7 @@ class DraftSizePolicy:
         """The largest draft size bucket b may choose: the choice of the nearest smaller bucket that has
         made one (k_max where none has). A verify's cost per sequence only grows with the batch while
         acceptance does not, so where fewer rows decode plainly (or draft k), more rows gain nothing from
-        drafting more, and exploring it costs them. The server's worker in process (demo head, fp32, 2
-        cores, the report's prompts, 4 warm-up requests, then 20 s cells at C = 1, 2, 4, 8; 3 rounds,
-        ~/.cache/eagle3-runs/s59/sweep_cap.py): drafted steps at C = 4-8 1-1.5% with the cap, 2-8%
-        without; output tok/s against the baseline server 1.153 / 0.967 / 0.855 / 1.082 with it,
-        1.118 / 0.975 / 0.855 / 0.968 without (cells spread ±10-15%)."""
+        drafting more, and exploring it costs them."""
         smaller = [s for s in list(self._incumbent) if s < b]
         return self._incumbent[max(smaller)] if smaller else self.k_max
 

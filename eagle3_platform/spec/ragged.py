@@ -25,10 +25,9 @@ from transformers.cache_utils import Cache
 
 from eagle3_platform.attention import cache_buffer
 from eagle3_platform.kv_cache import slot_capacity
-# One more group costs about as much as attending over this many more (row, slot) pairs (SmolLM2,
-# bf16, 2 cores, one decode step, B 8: a 320-token row split from seven ~150-token ones made the step
-# 4% slower at 1 query token, no faster at 5; two ~1000-token rows split off made it 6% and 28%
-# faster; ~/.cache/eagle3-runs/s18/stepgroups.py).
+# One more group costs about as much as attending over this many more (row, slot) pairs: splitting a
+# row a few hundred tokens longer than the rest off made a step slower, two ~1000-token rows split off
+# made it faster.
 GROUP_OVERHEAD = 2048
 # Buffers start zeroed (cache_buffer), not empty: a masked slot gets weight exactly 0, but 0 * NaN is
 # NaN, and fresh memory may hold NaN bit patterns.
@@ -149,8 +148,7 @@ class RaggedCache(Cache):
         """Free `row`: the rows after it move up one (row b+1 becomes row b). The last row out frees
         the buffers. They are as wide as the longest prompt since they were made; kept, they hold that
         memory and leave every later short request's attention on views too narrow to read whole
-        (attention.py: a copy per layer). A server at c = 1 with the demo head: 9.6 ms a token after
-        a 1,500-token prompt, 8.8 with a fresh cache per request (~/.cache/eagle3-runs/s54/c1live.py)."""
+        (attention.py: a copy per layer), ~9% slower per token after one long prompt."""
         for src in range(row + 1, self.rows):
             self._move(src, src - 1)
         self.lengths = torch.cat([self.lengths[:row], self.lengths[row + 1:]])
