@@ -1,4 +1,4 @@
-"""TTT alignment (DESIGN §5) on a hand-made sequence, single-pass attention == naive reference,
+"""TTT alignment (docs/ARCHITECTURE.md §5) on a hand-made sequence, single-pass attention == naive reference,
 and masking of the loss to response positions."""
 from __future__ import annotations
 

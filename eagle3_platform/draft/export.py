@@ -28,7 +28,7 @@ ANSWERS_FILE = "lookup/answer_ngrams.safetensors"
 
 
 def expected_tensors(config: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """name -> (shape, dtype): exactly the tensors of DESIGN §5 for this config."""
+    """name -> (shape, dtype): exactly the tensors of docs/ARCHITECTURE.md §5 for this config."""
     H, I = config["hidden_size"], config["intermediate_size"]
     nh, nkv, hd = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
     V, Vd = config["vocab_size"], config["draft_vocab_size"]

@@ -1,5 +1,6 @@
-"""The EAGLE-3 draft head (DESIGN §5): fc(3H→H) + one Llama decoder layer whose attention reads
-concat(normed token embedding, normed hidden stream) (2H wide) + norm + lm_head over the draft vocab.
+"""The EAGLE-3 draft head (docs/ARCHITECTURE.md §5): fc(3H→H) + one Llama decoder layer whose attention
+reads concat(normed token embedding, normed hidden stream) (2H wide) + norm + lm_head over the draft
+vocab.
 
 Parameter and buffer names match SGLang's `LlamaForCausalLMEagle3` checkpoint layout exactly
 (`fc.weight`, `midlayer.*`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`); `embed_tokens` is the

@@ -3,24 +3,22 @@
 A batch-1 draft step multiplies one row by each weight matrix, so its time is the time to read the
 weights: the head's lm_head over 8192 draft tokens plus its layer are ~18 MB in bf16, read 4-5 times
 per verify step while the 270 MB target has evicted them from the CPU's caches. torch's int8 GEMV
-(`_weight_int8pack_mm`) reads half the bytes: on the 2-core box, one thread, [1,576] x [8192,576]
-takes 121 us against 254 us in bf16. It scales with the rows, though (8 rows: 503 against 350 us), so
-above `INT8_MAX_ROWS` rows the layer multiplies by its dequantized weight instead; both compute
-x @ (q * s)^T, so a token's draft does not depend on the path. Output stays lossless: the target
-verifies every draft token; only which tokens get drafted can change. Measured with the cpu head
-(scripts/bench_decode.py, bf16, 1 thread): τ 1.28 either way, a fixed chain step 1.31 -> 1.23 plain
-decode steps, 0.95x -> 1.01x of HF greedy.
+(`_weight_int8pack_mm`) reads half the bytes: one row against [8192,576] takes about half the time
+of bf16. It scales with the rows, though (at 8 rows it is slower than bf16), so above `INT8_MAX_ROWS`
+rows the layer multiplies by its dequantized weight instead; both compute x @ (q * s)^T, so a token's
+draft does not depend on the path. Output stays lossless: the target verifies every draft token; only
+which tokens get drafted can change (τ is the same either way; scripts/bench_decode.py).
 
-`packed_head` is the other option, now the default: bf16 weights on oneDNN's blocked layout
-(packed_linear.py). With the target's 270 MB streaming between draft forwards, it reads the head's
-lm_head faster than the int8 GEMV does (1 thread, weights out of cache: 700 vs 930 us at 1 row, 793
-vs 1598 us at 8 rows); int8 stays selectable (`head_weights="int8"`).
+`packed_head` (the "auto" choice where the target is not on 4-bit codes): bf16 weights on oneDNN's
+blocked layout (packed_linear.py). With the target's 270 MB streaming between draft forwards, it
+reads the head's lm_head faster than the int8 GEMV does (~0.75x its time at 1 row, ~0.5x at 8 rows);
+int8 stays selectable (`head_weights="int8"`).
 
 `int4_head` (`head_weights="int4"`): the head's linears rounded to a 4-bit grid (Q4_1's, per 32
 inputs) and packed with their codes (int4_weights.py), so a draft forward of a few rows reads 1/8 of
 the fp32 bytes (1/4 of bf16's); wider inputs multiply on the rounded weights in the head's dtype. Only
-the head is rounded. In a bf16 engine on the AMD EPYC of session 47 (demo head, bench_decode): a
-chain_adaptive step 1.27 -> 1.19 plain decode steps against the packed bf16 head, τ unchanged.
+the head is rounded. In a bf16 engine a chain_adaptive step costs ~6% less than with the packed bf16
+head, τ unchanged (bench_decode).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""TTT training of the EAGLE-3 head from offline feature shards (DESIGN §5).
+"""TTT training of the EAGLE-3 head from offline feature shards (docs/ARCHITECTURE.md §5).
 
 Determinism (what makes `--resume` end with the same weights as an uninterrupted run):
 - the data order is a pure function of (seed, epoch): batch `step` is plan[step], rebuilt on resume
@@ -72,10 +72,10 @@ class TrainConfig:
     # which positions the loss supervises: "response" (the predicted token is a response token: what
     # the head drafts at inference) or "all" (prompt tokens too). The teacher is the target's own
     # distribution at every position, so prompt positions are valid extra examples of "what the target
-    # predicts next from its features" at no extra regeneration or extraction cost (DESIGN §9).
-    # Held-out metrics always count response positions only. Measured (docs/MEASUREMENTS.md, session
-    # 33): at 100k response tokens "all" lifted held-out tau by 0.026 for 1.39x the step cost, no more
-    # than the same time spent on more epochs over the responses, so the presets keep "response".
+    # predicts next from its features" at no extra regeneration or extraction cost (docs/ARCHITECTURE.md
+    # §6). Held-out metrics always count response positions only. "all" lifts held-out tau a little
+    # for ~1.4x the step cost, no more than the same time spent on more epochs over the responses, so
+    # the presets keep "response".
     supervise: str = "response"
     # Uniform noise on the target features while training (EAGLE-1's augmentation): each layer's
     # feature vector gets U(-a, a)·rms per element, a = feature_noise, rms = that vector's RMS (the
@@ -109,9 +109,8 @@ PRESETS: dict[str, TrainConfig] = {
                         max_len=512, epochs=2, ckpt_every=2, log_every=1, eval_samples=8,
                         dtype="float32", warm_start_epochs=1),
     # embedded default run on 2 CPU cores, a few thousand tokens, a few minutes: K=2 instead of 7 (steps
-    # 3-7 add nothing at this data size: on session 47's demo data, 21k tokens, K 2 vs 4 gave engine tau
-    # 1.53 vs 1.52 chain_adaptive_lookup, 1.24 vs 1.24 chain, 42 held-out prompts, in 1.1 vs 2.3 min of
-    # training; scripts/bench_scaling.py --overrides, ~/.cache/eagle3-runs/s48/demo-k*); lr 1e-3 because
+    # 3-7 add nothing at this data size: K 4 gives the same engine tau in twice the training time;
+    # scripts/bench_scaling.py --overrides); lr 1e-3 because
     # a few dozen steps at the public 1e-4 barely move a fresh head (1e-4 assumes ~10^5 steps);
     # Vd 4096: a demo corpus has ~1k distinct response tokens (SmolLM2, 47 chat conversations: 1005),
     # and the Vd-wide lm_head is the largest part of the head's cost; small batches → more steps.
@@ -121,17 +120,11 @@ PRESETS: dict[str, TrainConfig] = {
     # the best head 2 CPU cores train within the cpu preset's 2 hours (0.3-0.5M regenerated tokens)
     # K 2 x 4 epochs: on all the cpu data it beat K 4 x 2 epochs (tau 1.43 vs 1.37) in the same
     # training time; at this data size depths 1-2 trained well are worth more than depths 3-4.
-    # 6 epochs, not 4: on session 34's 266k response tokens, held-out simulated acceptance 1.45 vs
-    # 1.42, engine tau chain 1.38 vs 1.32, tree 1.71 vs 1.65 (16 MT-bench prompts), for 267 more
-    # steps (~9 min; the top-1 cache saves ~5 of them back) in a run of ~68 min (sessions 34-35)
-    # feature_noise 0.2: at 100k of those tokens (324 steps, 60 held-out prompts) held-out simulated
-    # acceptance 1.333 -> 1.349, tau chain 1.317 -> 1.337, every workload up; 0.5 gave 1.340 / 1.329
-    # (session 36, scripts/bench_scaling.py --overrides). On all 243k tokens (801 steps) it was neutral:
-    # held-out 1.450 with and without, tau chain 1.40 vs 1.38, tree 1.67 vs 1.69 (24 MT-bench prompts,
-    # session 37); kept, as it helps where a run gathers less data
-    # warm_start_epochs 1: session 37's head (243k tokens, 6 epochs) + 1 epoch over 2.3x the data
-    # (569k) matched 3 epochs from scratch on it (held-out 1.505 vs 1.497, tau chain 1.46 vs 1.44,
-    # tree 1.74 vs 1.78, 24 MT-bench prompts) in a third of the steps (287 vs 861; session 39)
+    # 6 epochs, not 4: at ~250k response tokens engine tau +0.06 for ~15% more training time.
+    # feature_noise 0.2: lifts held-out acceptance at ~100k tokens (every workload up), neutral at
+    # ~250k; kept, as it helps where a run gathers less data (scripts/bench_scaling.py --overrides).
+    # warm_start_epochs 1: the published head + 1 epoch over grown data matches 3 epochs from scratch
+    # on it in a third of the steps.
     "cpu": TrainConfig(ttt_steps=2, draft_vocab_size=8192, lr=1e-3, warmup_ratio=0.03,
                        batch_tokens=4096, max_len=2048, epochs=6, ckpt_every=20, log_every=10,
                        eval_samples=128, feature_noise=0.2, warm_start_epochs=1),

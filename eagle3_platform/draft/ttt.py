@@ -1,4 +1,5 @@
-"""Training-time test (TTT) for the EAGLE-3 head: alignment, attention pattern, loss (DESIGN §5).
+"""Training-time test (TTT) for the EAGLE-3 head: alignment, attention pattern, loss
+(docs/ARCHITECTURE.md §5).
 
 Alignment (sequence x_0..x_{T-1}, target features g_t, target post-norm state s_t, z_t = lm_head(s_t)):
   step k, position t: hidden = fc(g_t) (k=0) or the draft's own pre-norm output of step k-1 at t;
@@ -216,13 +217,9 @@ def fused_ttt_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.
     return F.scaled_dot_product_attention(q, torch.cat(ks, 2), torch.cat(vs, 2), attn_mask=mask)
 
 
-# From these lengths the fused kernel is faster on CPU. Step 0 is plain causal attention, which the
-# flash kernel computes block-causally; later steps hand it a mask, so it scores every key.
-# Later steps: fwd+bwd of K=4 steps, bf16, 2 threads, 9 heads (an earlier box): T=384 0.54 vs 0.77 s
-# blockwise/fused, T=512 1.13 vs 0.95 s, T=1024 2.2 vs 1.5 s, T=2048 6.5 vs 2.9 s.
-# Step 0: fwd+bwd of one step, bf16, 2 threads, Intel Xeon with AMX (~/.cache/eagle3-runs/s35/attn.py,
-# ~B*T = 4k tokens): T=192 0.054 vs 0.060 s, T=256 0.089 vs 0.057 s, T=384 0.130 vs 0.081 s,
-# T=512 0.267 vs 0.080 s.
+# From these lengths the fused kernel is faster on CPU (fwd+bwd, bf16, 2 threads; below them the
+# blockwise one wins). Step 0 is plain causal attention, which the flash kernel computes
+# block-causally, so it pays from shorter batches; later steps hand it a mask, so it scores every key.
 FUSED_MIN_LEN = 512
 FUSED_MIN_LEN_CAUSAL = 256
 

@@ -1,4 +1,5 @@
-"""Draft vocabulary (DESIGN §5): the Vd most frequent response (loss-masked) tokens over all partitions.
+"""Draft vocabulary (docs/ARCHITECTURE.md §5): the Vd most frequent response (loss-masked) tokens over
+all partitions.
 
 d2t int64 [Vd]: d2t[i] = target_id(i) - i  (SGLang: hot_token_id = d2t + arange(Vd))
 t2d bool  [V]:  t2d[j] = target id j is in the draft vocab
