@@ -1,4 +1,4 @@
-"""The target's own chat template, and THE loss mask (DESIGN.md §1, §4).
+"""The target's own chat template, and THE loss mask (docs/ARCHITECTURE.md §1, §4).
 
 `render` is the one place that turns a conversation into `input_ids` + `loss_mask`. The mask is derived
 from the template's own render boundaries, never from hand-written role markers:

@@ -1,4 +1,5 @@
-"""filtered_prompts: validate, dedupe, decontaminate and PII/DLP-filter prompt records (DESIGN §1, §4).
+"""filtered_prompts: validate, dedupe, decontaminate and PII/DLP-filter prompt records
+(docs/ARCHITECTURE.md §1, §4).
 
 Every line read ends up in exactly one of two files: kept prompt records, or rejection records with a
 reason. `kept + rejected == read` is checked here and returned in the summary. Rejections carry id,

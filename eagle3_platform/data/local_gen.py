@@ -10,8 +10,8 @@ exactly as if it ran alone; the 2D padding mask hides the pads from attention.
 Continuous batching (`decode_stream`): when a quarter of the rows have finished they leave together
 and the next requests of the queue are prefilled and join, right-aligned beside the rows that stay
 (one copy of the cache per turnover, which also drops the columns no row needs any more). A batch
-that only drained spent its last steps on a few long answers: the cpu preset on 200 chat prompts ran
-27% of its decode time at 16 rows or fewer, for 11% of its tokens (session 18).
+that only drained would spend its last steps on a few long answers (about a quarter of its decode
+time at 16 rows or fewer, for a tenth of its tokens).
 
 Large batches (64-128 rows in bf16 is where a CPU's matmuls pay off) make two costs matter: the
 prefill keeps only the last row of logits (a [B,T,V] logits tensor is GBs), and finished rows leave
@@ -19,27 +19,26 @@ the cache in groups (each turnover copies the whole cache), decoding a few ignor
 The cache grows in place (kv_cache.GrowingCache), not by concatenation; on CPU the target decodes with
 grouped-query attention (attention.py, set by load_target).
 
-Left padding makes every row attend over the longest row's width, and a decode step's attention
-reads its keys and values from memory: with long prompts in the batch that is most of a step (the
-cpu preset on 128 chat prompts, fp32 on 2 cores: attention 52% of the steps at 600+ slots, where 43%
-of the slots read were padding). So decode steps attend per group of rows (`padding_groups`), each
-over the slots after its rows' common padding: 1.12x the tok/s there (~/.cache/eagle3-runs/s62/
-groups_ab.py). A row's sums then run over fewer masked slots, which moves its last bits: the same
-greedy tokens in the fp32 tests, 111 of 113 records the same under `auto` (its 4-bit codes round
-like bf16, so near-ties can flip, as they do between batch sizes).
+Left padding makes every row attend over the longest row's width, and a decode step's attention reads
+its keys and values from memory: with long prompts in the batch that is most of a step, and much of what
+it reads is padding. So decode steps attend per group of rows (`padding_groups`), each over the slots
+after its rows' common padding (~1.1x the tok/s with long prompts). A row's sums then run over fewer
+masked slots, which moves its last bits: the same greedy tokens in the fp32 tests, 111 of 113 records
+the same under `auto` (its 4-bit codes round like bf16, so near-ties can flip, as they do between batch
+sizes).
 
 Multi-turn conversations reuse their cache across turns (`Prefix`): turn k+1's prompt is turn k's
 prompt + answer + the next user turn, so a row hands back the keys/values it computed, and the next
-turn prefills only the tokens past the longest common prefix instead of the whole history (48 ShareGPT
-multi-turn conversations, cpu preset, 2 cores: 92.5 -> 114.2 tok/s; scripts/bench_regen.py).
+turn prefills only the tokens past the longest common prefix instead of the whole history (~1.2x the
+tok/s on multi-turn ShareGPT conversations; scripts/bench_regen.py).
 A reused prefix sits right-aligned before a left-padded suffix, so a row reads
 [pad][prefix][pad][suffix] under its 2D mask, with positions counting its real tokens only.
 
 Long prompts are prefilled one at a time, through the same prefix path: a batch-1 forward over all
 but the prompt's last token (causal, no padding mask) becomes the row's Prefix, and the batched
 forward then runs only the last tokens. Batched, a padded prefill goes through attention under a
-padding mask, and for long prompts that cost more than the padding itself: 13 prompts of 1100-1476
-tokens took 35.6 s batched and 19.2 s one at a time (SmolLM2, bf16, 2 threads).
+padding mask, and for long prompts that costs more than the padding itself (~1.9x the time of
+prefilling them one at a time).
 """
 from __future__ import annotations
 
@@ -284,8 +283,7 @@ class _Rows:
     def forward(self, model, lean: bool) -> None:
         """One token per row (finished and departed rows too, ignored) -> the next logits. lean (the
         model takes it, forward.supports): through the engine's step forward (spec/forward.py: the
-        same values as transformers' forward in fewer small ops; 128 chat prompts, demo preset:
-        1.03-1.16x the tok/s, ~/.cache/eagle3-runs/s51/regenprof.py)."""
+        same values as transformers' forward in fewer small ops, ~1.03-1.16x the tok/s)."""
         B = len(self.reqs)
         self.mask = torch.cat([self.mask, self.mask.new_ones((B, 1))], dim=1)  # [B,P+1]
         ids, pos = self.last.to(self.mask.device)[:, None], self.next_pos[:, None]  # [B,1] each

