@@ -29,9 +29,8 @@ bookkeeping): its rows attend over their spans as they are (SPAN_DTYPES).
 The cache may hold keys/values in fp32 under a bf16 model (the batch cache does where bf16 matmuls
 are slow: compute.kv_cache_dtype); attention then runs in the cache's dtype and hands back the
 query's. Its two matmuls per layer are small and dense, and on a CPU without fast bf16 arithmetic they
-run 2-4x slower in bf16 than in fp32 (Intel avx512_bf16 without AMX, one [1,3,3,64] x [1,3,64,300]
-product: 33 vs 15 µs; ~/.cache/eagle3-runs/s22/bmm.py). bf16 values are exact in fp32, so this only
-drops the rounding of the softmax weights.
+run 2-4x slower in bf16 than in fp32 (avx512_bf16 without AMX). bf16 values are exact in fp32, so
+this only drops the rounding of the softmax weights.
 """
 from __future__ import annotations
 
@@ -46,15 +45,12 @@ from transformers.masking_utils import sdpa_mask
 GROUPED_DECODE = "sdpa_grouped_decode"
 MAX_GROUPED_QUERY = 64  # verification trees are ~5-16 tokens; longer queries are prefills
 # Attending over a whole buffer up to 1.5x the span costs about what the copy of the view costs
-# (SmolLM2 shapes, bf16, 2 threads: B 1-48, 150-1000 slots: 0.65-0.8x of the view's time at 1.1x,
-# 0.8-1.0x at 1.5x, 0.9-1.2x at 2x; ~/.cache/eagle3-runs/s20/widen.py).
+# (bf16: 0.65-0.8x of the view's time at 1.1x, 0.8-1.0x at 1.5x, 0.9-1.2x at 2x).
 WIDEN_UP_TO = 1.5
 _CACHE_BUFFERS: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
-# Caches of these dtypes are attended over their rows' spans as given, never widened. SmolLM2 shapes,
-# one layer, 2 threads, an Intel Xeon without avx512_bf16 (~/.cache/eagle3-runs/s58/attnvar2.py), µs
-# widened -> span: B 1 q 1 over 301 of 401 slots 224 -> 83, q 5 302 -> 154, q 9 351 -> 199; B 8 q 1
-# 521 -> 315, B 16 780 -> 525. bf16 there: B 1 1.1-1.3x faster, B 8-16 1.1-1.5x slower, so bf16 caches
-# keep the widening measured for them.
+# Caches of these dtypes are attended over their rows' spans as given, never widened: in fp32 the
+# spans are 1.5-2.7x faster than the widened buffer; bf16 loses that way at batch 8-16, so bf16 caches
+# keep the widening.
 SPAN_DTYPES = (torch.float32,)
 
 
@@ -174,8 +170,7 @@ def _attend_flat(query, key, value, bias, scale: float):
     verify, the head's drafting) as 3D products, the scale and the bias taken into the first one
     (baddbmm): three ops instead of six. Each query row's sums are the same whatever else the query
     holds, so a verify row still equals that token's own 1-token decode (greedy speculation stays
-    exact in fp32). One layer, SmolLM2 shapes, B 1 over 300 of 400 slots, 2 threads, Intel Xeon
-    without avx512_bf16 (~/.cache/eagle3-runs/s61/slim.py), µs: q 1 48 -> 40, q 2 56 -> 44, q 5 80 -> 63."""
+    exact in fp32). ~1.2x faster per layer than the six-op form at 1-5 query tokens."""
     B, H, q, d = query.shape
     kv, S = key.shape[1], key.shape[2]
     m = H // kv * q

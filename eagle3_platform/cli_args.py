@@ -1,8 +1,8 @@
 """Checks on the paths a command is given, run before any work (torch-free, tiny).
 
-A bad output path used to surface as a traceback from deep inside a stage (NotADirectoryError,
-IsADirectoryError), often after the work was done; the same path given twice silently lost data
-(`filter --out X --rejected X` kept only the rejections). Each check raises ValueError, which
+Unchecked, a bad output path surfaces as a traceback from deep inside a stage (NotADirectoryError,
+IsADirectoryError), often after the work is done, and the same path given twice silently loses data
+(`filter --out X --rejected X` would keep only the rejections). Each check raises ValueError, which
 `eagle3` turns into its one-line error (exit 2, JSON summary with ok: false).
 """
 from __future__ import annotations

