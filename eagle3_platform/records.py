@@ -1,4 +1,4 @@
-"""The one conversation schema (DESIGN.md §4) and crash-safe JSONL I/O.
+"""The one conversation schema (docs/ARCHITECTURE.md §4) and crash-safe JSONL I/O.
 
 Every stage reads and writes these records. JSONL files are either written atomically (tmp + rename)
 or appended one fsynced line at a time, so a killed run leaves at most one torn last line, which

@@ -17,7 +17,8 @@ class ServingResource(ConfigurableResource):
     port: int = 0  # 0: a free port chosen at deploy time
     baseline_port: int = 0
     api_key: str | None = None
-    # SGLang speculative settings: set all three or none (DESIGN §6); None = the spec preset's values.
+    # SGLang speculative settings: set all three or none (docs/ARCHITECTURE.md §6); None = the spec
+    # preset's values.
     num_steps: int | None = None
     eagle_topk: int | None = None
     num_draft_tokens: int | None = None

@@ -1,6 +1,6 @@
 """Per-request benchmark metrics and their aggregation (pure Python: shared by Locust and the report).
 
-Definitions (DESIGN.md §6):
+Definitions (docs/ARCHITECTURE.md §6):
   TTFT  = time from sending the request to the first content chunk
   TPOT  = (latency − TTFT) / (output_tokens − 1)      (undefined for a 1-token output)
   output throughput = Σ output tokens of completed requests / wall time of the run

@@ -1,4 +1,4 @@
-"""Benchmark prompts: a JSONL of PromptRecord rows (DESIGN §4) or {"prompt": str} rows."""
+"""Benchmark prompts: a JSONL of PromptRecord rows (docs/ARCHITECTURE.md §4) or {"prompt": str} rows."""
 from __future__ import annotations
 
 

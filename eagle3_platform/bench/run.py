@@ -31,19 +31,13 @@ ALL = "all"
 INFO_TIMEOUT_S = 10.0
 # Requests each endpoint serves before its first measured cell, one at a time at the sweep's
 # max_tokens: lazy initialisation, and the EAGLE-3 server's draft-size policy's first exploration at
-# batch 1 (spec/policy.py: it starts drafting at its largest size and learns down). A fresh policy over
-# one c = 1 cell's 12 requests decoded 0.94x plain decoding's tok/s, the same policy after 4 requests
-# 1.02x (demo head, in process, 3 rounds; ~/.cache/eagle3-runs/s59/transient.py): unwarmed, the c = 1
-# cell measured the policy's start, not the server a user keeps running.
+# batch 1 (spec/policy.py: it starts drafting at its largest size and learns down). Unwarmed, the
+# c = 1 cell measures the policy's start (below plain decoding), not the server a user keeps running.
 WARMUP_REQUESTS = 4
 # Then, per endpoint and concurrency level c > 1, this many waves of c requests sent at once: the
 # policy keeps its costs per batch-size bucket, so each level's one cell otherwise paid that bucket's
-# first exploration (drafting at the nearest bucket's size before any cost there was measured). Two
-# real servers (cpu preset, cpu head), Locust at c = 8, six 20 s cells each, alternated
-# (~/.cache/eagle3-runs/s64/abab.py): EAGLE-3 / baseline 0.914x in the first pair (draft size 0.32),
-# 0.97-1.10x (mean 1.03x) in the five after (draft size 0.02-0.19). The cpu head's report at c = 16,
-# without / with the wave: draft size 0.32 / 0.04, tok/s 0.92x / 0.97x, median TTFT 1,120 / 767 ms
-# (the baseline's 796 / 744).
+# first exploration (drafting at the nearest bucket's size before any cost there was measured): the
+# first cell at a level read ~0.9x the baseline's tok/s where the cells after read ~1.03x.
 WARMUP_WAVES = 1
 
 
@@ -290,8 +284,8 @@ def headline(results: dict) -> dict:
             for c in cs if ("baseline", c) in cells and ("eagle3", c) in cells
             and cells[("baseline", c)].get("output_tok_per_s")
             and cells[("eagle3", c)].get("output_tok_per_s")}
-    # how each endpoint scales with concurrency against its own lowest level (issue goals read
-    # "throughput at c = 8 vs c = 1" and "median TTFT at c = 8 vs c = 1")
+    # how each endpoint scales with concurrency against its own lowest level ("throughput at c = 8 vs
+    # c = 1", "median TTFT at c = 8 vs c = 1")
     for label in ("baseline", "eagle3"):
         for name, key in (("throughput_scaling", "output_tok_per_s"), ("ttft_scaling", "median_ttft_s")):
             ratios = _vs_lowest(cells, label, key, cs)

@@ -1,4 +1,4 @@
-"""One target forward that also returns the EAGLE-3 features (DESIGN.md §5).
+"""One target forward that also returns the EAGLE-3 features (docs/ARCHITECTURE.md §5).
 
 Features are taken with forward hooks on the chosen decoder layers and on the final norm, not with
 `output_hidden_states=True`: that would keep every layer's state alive, while hooks keep only the

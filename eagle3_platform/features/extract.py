@@ -1,4 +1,5 @@
-"""Offline feature extraction: conversation records -> feature shards + manifest (DESIGN.md §4, §5).
+"""Offline feature extraction: conversation records -> feature shards + manifest
+(docs/ARCHITECTURE.md §4, §5).
 
 One target forward per conversation (decoder stack only: the teacher logits are recomputed from
 `last_hidden` with the frozen lm_head at training time, so the lm_head matmul is skipped here).

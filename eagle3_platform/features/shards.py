@@ -1,4 +1,4 @@
-"""The feature shard format (DESIGN.md §4): writer, manifest, lazy validating reader.
+"""The feature shard format (docs/ARCHITECTURE.md §4): writer, manifest, lazy validating reader.
 
 A shard is one safetensors file holding many samples, concatenated along the token axis:
     input_ids int32 [N], loss_mask uint8 [N], aux_hidden bf16 [N,3H], last_hidden bf16 [N,H],

@@ -24,16 +24,15 @@ class ServeConfig:
     model_name: str | None = None     # /v1/models id; defaults to the target id
     # torch intra-op threads of the server's threads outside the engine's forwards and drafting
     # (sampling, bookkeeping). None = torch's default (every core): on 2 cores a baseline server
-    # left so decoded 1.25x slower than on 1 (its threads contend; docs/MEASUREMENTS.md, "Session 23").
+    # left so decodes 1.25x slower than on 1 (its threads contend).
     torch_threads: int | None = None
     # threads of the target's forwards (prefill, verify); 0 = every core, None = torch_threads. The
     # Locust sweep runs one endpoint at a time, so the loaded server may take both cores of a 2-core
-    # box: baseline throughput at concurrency 8 went 40.7 -> 54-62 tok/s (docs/MEASUREMENTS.md,
-    # "Serving threads").
+    # machine (baseline throughput at concurrency 8 ~1.4x that on one thread).
     target_threads: int | None = None
-    # threads of the head's drafting; 0 = every core, None = torch_threads. One drafted faster on the
-    # boxes of sessions 16-22; on the Intel box of session 23 two draft a batch-1 chain 1.3x faster
-    # (8.3 -> 6.5 ms; EAGLE-3 + lookup 1.21x -> 1.25x of HF greedy in bench_decode.py).
+    # threads of the head's drafting; 0 = every core, None = torch_threads. Whether a second thread
+    # pays for the head's chain of small ops depends on the CPU (on some, two draft a batch-1 chain
+    # 1.3x faster, on others one is faster): measure with bench_decode.py.
     draft_threads: int | None = None
     dtype: str = "auto"               # compute dtype of target + head (compute.resolve_dtype)
 

@@ -133,7 +133,7 @@ def spawn_server(cmd: list[str], *, api_key: str | None = None, log_path=None,
         if not own_log:  # a temp log stays for a look: the error shows only its tail
             shutil.rmtree(workdir, ignore_errors=True)
         raise
-    ready.unlink()  # read once; a temp dir per server was left behind in /tmp before
+    ready.unlink()  # read once; gone, so no temp dir per server is left behind in /tmp
     if not own_log:
         workdir.rmdir()
     return ServerHandle(url=url, pid=proc.pid, log_path=log_path, api_key=api_key, proc=proc,

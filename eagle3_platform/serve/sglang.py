@@ -1,4 +1,4 @@
-"""SGLang launcher: command builder, start/stop, /health, /server_info (DESIGN.md §6).
+"""SGLang launcher: command builder, start/stop, /health, /server_info (docs/ARCHITECTURE.md §6).
 
 Flag names follow sgl-project/sglang `python/sglang/srt/server_args.py` (`model_path`,
 `speculative_algorithm`, `speculative_draft_model_path`, `speculative_num_steps`,

@@ -4,18 +4,18 @@ Each loop the thread takes up to `prefill_chunk` prompt tokens of waiting reques
 has room (a long prompt is split across loops, so it delays every running stream by at most one
 chunk) and runs one batched step over every running request. With requests running, the chunks ride
 along that step, one target forward for both, so the weights are read once (at concurrency 8,
-prefill forwards of their own took a third of the engine's time; ~/.cache/eagle3-runs/s42/split.py).
+prefill forwards of their own take a third of the engine's time).
 A step carries up to `mixed_prefill_tokens` of them (0: prompts are prefilled apart): with the
 fixed cost of a forward paid by the step anyway, small chunks cost little, and they keep a short
 prompt's first token from waiting on a long prompt's tokens in the same forward (at concurrency 8,
-median TTFT 366-485 ms at 128 tokens, 580-648 at 256, 764-1113 at 1024; s42/chunk*.out). With none
+median TTFT roughly doubles from 128-token chunks to 1024-token ones). With none
 running, prompts are prefilled alone, `prefill_chunk` tokens per forward. A request joins the
 batch after the forward that finished its prompt and leaves when it finishes or is cancelled (its
 slot is free for the next loop). Only a full queue is refused.
 
 Prefill order: the prompt with the fewest tokens left goes first (shortest remaining first), so a
-short chat turn does not wait seconds behind a long document's chunks: in a FIFO on 2 CPU cores,
-short prompts that came in just after a 1000-token one waited 2-3 s for their first token. Nobody
+short chat turn does not wait seconds behind a long document's chunks (in a FIFO on 2 CPU cores,
+2-3 s behind a 1000-token prompt). Nobody
 starves: a prompt passed by `max_overtaken` later arrivals goes next, in arrival order.
 
 The worker hands results back through each job's thread-safe `emit` callback, one event per chunk:
