@@ -1,9 +1,9 @@
 """Regeneration throughput through `regenerate_file`: a preset's path vs a reference path.
 
 Reference `turn1_demo_path` (default): fp32, batches of 8, 1 torch thread, torch's row-major linear
-kernels (the path before packed_linear.py; its decode steps, like every path's since session 51, go
-through the engine's step forward, which made it ~4% faster: the ratio errs low); the preset's path is its
-dtype (auto = bf16 where the CPU has it), length-planned batches and its thread count. With
+kernels (the path without packed_linear.py; its decode steps, like every path's, go through the engine's
+step forward, which makes it ~4% faster than transformers': the ratio errs low); the preset's path is
+its dtype (auto = bf16 where the CPU has it), length-planned batches and its thread count. With
 `--reference no_cache_reuse`: the preset's path with every turn re-prefilling its history (multi-turn
 KV cache reuse off). Same prompts (train prompts of `--workload` from `eagle3 sources`), same greedy
 budget, no time budget (every prompt answered in full: a preset's budget would cut the slower path's
@@ -14,7 +14,7 @@ bfloat16, so every matmul stays bf16 (no fp32 copies for wide ones: compute.wide
 matmul runs on the packed weights (no fp32 copies for wide ones, no row-major ones for few rows:
 compute.narrow_matmul_rows).
 
-    python scripts/bench_regen.py --target ~/.cache/eagle3-runs/smol --prompts 64 --preset demo
+    python scripts/bench_regen.py --target PREPARED_TARGET --prompts 64 --preset demo
     python scripts/bench_regen.py --workload multi_turn --prompts 48 --preset cpu --reference no_cache_reuse
 """
 from __future__ import annotations

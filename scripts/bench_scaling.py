@@ -14,9 +14,9 @@ epochs raised so every point trains >= --min-steps steps), exports it and measur
 Resumable: a point whose results exist is not redone, and training resumes from its checkpoint.
 Writes results.json (after every point), scaling.md (table) and scaling.png.
 
-    python scripts/bench_scaling.py --data-dir ~/.cache/eagle3-runs/cpu/data \
+    python scripts/bench_scaling.py --data-dir runs/cpu/data \
         --target ~/.cache/eagle3/prepared/smollm2-135m-instruct --sizes 10000,30000,100000 \
-        --full-head ~/.cache/eagle3-runs/cpu/data/draft/checkpoint --preset cpu --out ~/.cache/eagle3-runs/scaling
+        --full-head runs/cpu/data/draft/checkpoint --preset cpu --out runs/scaling
 """
 from __future__ import annotations
 

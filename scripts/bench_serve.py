@@ -1,8 +1,8 @@
 """The server's engine worker under concurrency, in process (no HTTP, no Locust), with the methods
 rotated round by round so the machine's drift cancels out of the ratios.
 
-Why: on a shared 2-core VM the same 24 requests through the same baseline worker took 53 s, then 90 s
-a few minutes later (~/.cache/eagle3-runs/s31/loop2.py). A sweep that measures baseline for 30 s and
+Why: on a shared 2-core VM the same requests through the same baseline worker can take 1.7x longer a
+few minutes later. A sweep that measures baseline for 30 s and
 then EAGLE-3 for 30 s (the Locust report) compares two different machines; here every round serves
 the same 2c requests with each method in turn (the order rotating), c clients each keeping one request
 in flight through `EngineWorker` (continuous batching, chunked prefill, the draft size policy: what

@@ -33,7 +33,7 @@ from eagle3_platform.draft.model import DraftConfig, Eagle3Draft  # noqa: E402
 from eagle3_platform.draft.ttt import (TTTLoss, naive_ttt_attention, shift_left, step_masks,  # noqa: E402
                                        teacher, ttt_attention)
 
-# SmolLM2-135M-Instruct geometry (DESIGN §7); the head's shapes follow the target's.
+# SmolLM2-135M-Instruct geometry (docs/ARCHITECTURE.md §7); the head's shapes follow the target's.
 SMOLLM2 = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
            "num_key_value_heads": 3, "head_dim": 64, "rms_norm_eps": 1e-5, "max_position_embeddings": 8192,
            "vocab_size": 49152, "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}}

@@ -7,7 +7,7 @@ PYTHON=${PYTHON:-python3.11}
 command -v "$PYTHON" >/dev/null || PYTHON=python3
 
 # A full disk otherwise surfaces as pip's "[Errno 28] No space left on device" half-way through
-# torch (one of the project's CI runs, before session 34). The venv takes 2.7 GB, uv's cache 1.5 GB,
+# torch. The venv takes 2.7 GB, uv's cache 1.5 GB,
 # torch's unpacking and the tests' models and shards another ~1.5 GB: say so before starting.
 NEED_GB=${EAGLE3_SETUP_NEED_GB:-6}
 for dir in . "${TMPDIR:-/tmp}"; do
@@ -28,8 +28,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # fetched in parallel (~28 s for the project's ~190 packages against ~2 min with pip, fresh caches).
 # --compile-bytecode as pip does: where PYTHONDONTWRITEBYTECODE is set (these machines), nothing else
 # writes the .pyc files, and every process (servers, Pipes workers, test subprocesses) would compile
-# its imports anew (importing dagster + transformers + torch: 10.0 s against 4.1 s compiled; the test
-# suite 15.4 against 13.6 min on the same box within the hour).
+# its imports anew (importing dagster + transformers + torch: ~2.4x slower uncompiled).
 echo "[setup] torch==2.13.0 (CPU build, installed first so nothing resolves a multi-GB CUDA build) + uv"
 $PIP install -q torch==2.13.0 uv==0.13.9
 UV_PIP=(.venv/bin/uv pip install -q --compile-bytecode --python .venv/bin/python)

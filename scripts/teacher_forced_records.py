@@ -1,12 +1,12 @@
 """Teacher-forced conversation records from kept (filtered) prompts: no generation.
 
-DESIGN §9 suggests teacher-forced features as cheap extra volume: one target forward over text instead
-of generating it, the teacher still being the target's own distribution. This renders each prompt
-with the target's chat template (its user turns only; nothing is generated) and marks every token as
-supervised (loss_mask 1), so `eagle3 extract` turns the records into features that `eagle3 train`
-learns from like responses. Measured in session 33 (docs/MEASUREMENTS.md): at equal training steps
-these features moved held-out τ less than more epochs on the regenerated responses did, so the
-pipeline does not use them; the script stays for the measurement's reproduction.
+Teacher-forced features are cheap extra volume (docs/ARCHITECTURE.md §6): one target forward over text
+instead of generating it, the teacher still being the target's own distribution. This renders each
+prompt with the target's chat template (its user turns only; nothing is generated) and marks every token
+as supervised (loss_mask 1), so `eagle3 extract` turns the records into features that `eagle3 train`
+learns from like responses. At equal training steps these features moved held-out τ less than more
+epochs on the regenerated responses did, so the pipeline does not use them; the script stays to
+reproduce that measurement.
 
 Accounting: read = written + excluded (ids in --exclude, e.g. the prompts already regenerated) +
 too_long (over --max-length tokens). Prompts must come from `eagle3 filter` (PII/DLP-checked, train split).
