@@ -1,6 +1,6 @@
-"""Bad input through the CLI, as a user calls it (issue 8, part A): every bad record is rejected with a
-reason and the run goes on; a stage with nothing usable fails with one line saying why; resume never
-mixes targets or settings; bad paths are one-line errors. Ends with a seeded fuzz run."""
+"""Bad input through the CLI, as a user calls it: every bad record is rejected with a reason and the run
+goes on; a stage with nothing usable fails with one line saying why; resume never mixes targets or
+settings; bad paths are one-line errors. Ends with a seeded fuzz run."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""Issue 8 (part B): no stage reports success on a broken result; every bad input is named in one line.
+"""No stage reports success on a broken result; every bad input is named in one line.
 
 Bad inputs go through the CLI as a user calls it (`eagle3_platform.cli.main`): exit 2, a one-line
 `eagle3 <cmd>: error: ...` on stderr and `{"ok": false, ...}` as the last stdout line.

@@ -150,7 +150,7 @@ def test_a_plain_step_is_offered_any_match_from_the_shortest_verified(monkeypatc
     assert t.tokens.tolist() == [7, 4, 5] and t.parents.tolist() == [-1, 0, 1] and d.last_lookup == 2
     d.history = [1, 2, 3, 4, 5, 6]  # 6 never occurred before: no match, the root alone
     assert d.plain_step(root) is root and d.last_lookup == 0
-    monkeypatch.setattr(lookup_module, "PLAIN_STEP_MATCH", 3)  # session 47's rule: 3+ tokens only
+    monkeypatch.setattr(lookup_module, "PLAIN_STEP_MATCH", 3)  # a stricter rule: 3+ tokens only
     d.history = [1, 2, 3, 4, 5, 9, 2, 3]
     assert d.plain_step(root) is root and d.last_lookup == 0
     d.history = [1, 2, 3, 4, 5, 6, 9, 1, 2, 3]  # "1 2 3": a 3-token match, up to 4 tokens
