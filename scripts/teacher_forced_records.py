@@ -1,6 +1,6 @@
 """Teacher-forced conversation records from kept (filtered) prompts: no generation.
 
-Teacher-forced features are cheap extra volume (docs/ARCHITECTURE.md §6): one target forward over text
+Teacher-forced features are cheap extra volume (docs/ARCHITECTURE.md §5): one target forward over text
 instead of generating it, the teacher still being the target's own distribution. This renders each
 prompt with the target's chat template (its user turns only; nothing is generated) and marks every token
 as supervised (loss_mask 1), so `eagle3 extract` turns the records into features that `eagle3 train`
