@@ -73,7 +73,7 @@ class TrainConfig:
     # the head drafts at inference) or "all" (prompt tokens too). The teacher is the target's own
     # distribution at every position, so prompt positions are valid extra examples of "what the target
     # predicts next from its features" at no extra regeneration or extraction cost (docs/ARCHITECTURE.md
-    # §6). Held-out metrics always count response positions only. "all" lifts held-out tau a little
+    # §5). Held-out metrics always count response positions only. "all" lifts held-out tau a little
     # for ~1.4x the step cost, no more than the same time spent on more epochs over the responses, so
     # the presets keep "response".
     supervise: str = "response"
