@@ -2,7 +2,9 @@
 decontaminated against the eval table. Both splits are produced: `train` (decontaminated) and `eval`
 (the held-out table, filtered for PII but never trained on)."""
 
-from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
+import hashlib
+
+from dagster import AssetExecutionContext, DataVersion, MaterializeResult, MetadataValue, asset
 
 from assets.metadata import check_accounting, md_table
 from assets.partitions import SPLITS, Keys, workload_partitions
@@ -26,6 +28,7 @@ def _filter_split(context, w: str, split: str, storage, target, preset, compute)
         max_length=target.max_length, decontaminate=split == "train", preset=preset.name))
     raw.unlink(missing_ok=True)  # raw source text may hold PII: never stored
     check_accounting(summary, "kept", f"{w}/{split}")
+    summary["kept_sha256"] = hashlib.sha256(kept.read_bytes()).hexdigest()
     summary["kept_uri"] = storage.publish_from(kept, Keys.kept(w, split))
     summary["rejected_uri"] = storage.publish_from(rej, Keys.rejected(w, split))
     return summary
@@ -43,7 +46,11 @@ def filtered_prompts(context: AssetExecutionContext, storage: StorageResource, t
     res = {s: _filter_split(context, w, s, storage, target, preset, compute) for s in SPLITS}
     tr, ev = res["train"], res["eval"]
     by_reason = {f"{s}:{r}": n for s in SPLITS for r, n in (res[s].get("by_reason") or {}).items()}
-    return MaterializeResult(metadata={
+    # Dagster leaves a partitioned source's observed version out of the data version it derives, so the
+    # prompts name their own (a hash of what was kept): a source change that changes them reaches every
+    # asset downstream through the data versions Dagster derives from this one.
+    version = hashlib.sha256((tr["kept_sha256"] + ev["kept_sha256"]).encode()).hexdigest()
+    return MaterializeResult(data_version=DataVersion(version), metadata={
         "workload": w, "preset": preset.name,
         "source_fingerprint": fingerprints([w])[w],
         "read": tr["read"], "kept": tr["kept"], "rejected": tr["rejected"],
