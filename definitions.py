@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import os
 
+# Before the assets import the model stack: presidio and the HF hub never reach the network.
+os.environ.setdefault("TLDEXTRACT_PUBLIC_SUFFIX_LIST_URLS", "")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 from dagster import Definitions
 
 from assets import ALL_ASSETS, ALL_CHECKS, ALL_JOBS, ALL_SENSORS
 from assets.versions import with_code_versions
 from resources import build_resources
-
-os.environ.setdefault("TLDEXTRACT_PUBLIC_SUFFIX_LIST_URLS", "")  # presidio: never reach the network
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def build_definitions(**resource_overrides) -> Definitions:

@@ -1,8 +1,11 @@
-"""`eagle3 run`: the whole graph through Dagster. Runs `python -m pipeline` (which lives beside the
-Dagster definitions and materializes what is missing or stale) as a child process and streams its
-output; this library module never imports Dagster itself."""
+"""`eagle3 run`: the whole graph through Dagster. The flags are declared and checked here; the parsed
+flags go, as one JSON argument, to `python -m assets.launch` (beside the Dagster definitions), which
+materializes what Dagster reports missing or stale. It runs as a child process because this library
+never imports Dagster; its output is streamed through."""
 from __future__ import annotations
 
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -10,6 +13,10 @@ from eagle3_platform.cli_args import output_dir
 from eagle3_platform.summary import run_with_summary
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
+LAUNCHER = "assets.launch"
+# The child reads these at import (presidio's suffix list, the HF hub): offline unless the caller says so.
+CHILD_ENV = {"TLDEXTRACT_PUBLIC_SUFFIX_LIST_URLS": "", "HF_HUB_OFFLINE": "1", "DAGSTER_DISABLE_TELEMETRY": "1",
+             "TOKENIZERS_PARALLELISM": "false"}
 
 
 def add_commands(sub) -> None:
@@ -19,10 +26,10 @@ def add_commands(sub) -> None:
     p.add_argument("--preset", default=DEFAULT_PRESET, choices=PRESET_NAMES)
     p.add_argument("--target", default=None, help="smollm2-135m-instruct | tiny-random | PATH")
     p.add_argument("--workloads", default=None, help="comma-separated partitions (default: all)")
-    p.add_argument("--through", default=None, help="last asset to materialize (default: benchmark_report)")
-    p.add_argument("--env", default=None, choices=["local", "gcp"])
-    p.add_argument("--data-dir", default=None)
-    p.add_argument("--dagster-home", default=None)
+    p.add_argument("--through", default="benchmark_report", help="last asset to materialize (default: %(default)s)")
+    p.add_argument("--env", default=None, choices=["local", "gcp"], help="default: $EAGLE3_ENV or local")
+    p.add_argument("--data-dir", default=None, help="local storage root (default ./data)")
+    p.add_argument("--dagster-home", default=None, help="default: $DAGSTER_HOME or ./.dagster_home")
     p.add_argument("--dtype", default=None, help="auto | bfloat16 | float32: overrides every stage's preset dtype")
     p.add_argument("--threads", type=int, default=None, help="torch threads of every stage (0 = every core)")
     p.add_argument("--regen-budget-min", type=float, default=None,
@@ -37,30 +44,42 @@ def add_commands(sub) -> None:
     p.set_defaults(func=run)
 
 
-def pipeline_command(a) -> list[str]:
-    cmd = [sys.executable, "-m", "pipeline", "--preset", a.preset]
-    for flag in ("target", "workloads", "through", "env", "data_dir", "dagster_home", "dtype", "threads",
-                 "regen_budget_min", "prompts_per_workload"):
-        if getattr(a, flag, None) is not None:
-            cmd += [f"--{flag.replace('_', '-')}", str(getattr(a, flag))]
-    return cmd + (["--force"] if a.force else [])
+def checked(a) -> dict:
+    """The flags as the launcher reads them (workloads as a list), or ValueError."""
+    from eagle3_platform.records import WORKLOADS
+
+    flags = {k: v for k, v in vars(a).items() if k not in ("func", "command")}
+    flags["workloads"] = [w for w in (a.workloads or ",".join(WORKLOADS)).split(",") if w]
+    bad = sorted(set(flags["workloads"]) - set(WORKLOADS))
+    if bad:
+        raise ValueError(f"unknown workloads {bad}; expected some of {list(WORKLOADS)}")
+    if a.regen_budget_min is not None and not a.regen_budget_min >= 0:  # NaN too
+        raise ValueError(f"--regen-budget-min {a.regen_budget_min}: minutes must be >= 0 (0 = no limit)")
+    if a.prompts_per_workload is not None and a.prompts_per_workload < 1:
+        raise ValueError(f"--prompts-per-workload {a.prompts_per_workload}: must be >= 1")
+    output_dir(a.data_dir, "--data-dir")
+    output_dir(a.dagster_home, "--dagster-home")
+    return flags
+
+
+def launch_command(a) -> list[str]:
+    return [sys.executable, "-m", LAUNCHER, json.dumps(checked(a))]
 
 
 def run(a) -> dict:
-    output_dir(a.data_dir, "--data-dir")
-    output_dir(a.dagster_home, "--dagster-home")
-    if not (PROJECT_ROOT / "pipeline.py").exists():
-        raise FileNotFoundError(f"pipeline.py not found beside the package at {PROJECT_ROOT}; "
+    cmd = launch_command(a)
+    if not (PROJECT_ROOT / "assets" / "launch.py").exists():
+        raise FileNotFoundError(f"assets/launch.py not found beside the package at {PROJECT_ROOT}; "
                                 "`eagle3 run` needs the project checkout (definitions + assets)")
-    rc, summary = run_with_summary(pipeline_command(a), cwd=PROJECT_ROOT, echo=_forward)
+    rc, summary = run_with_summary(cmd, cwd=PROJECT_ROOT, echo=_forward, env={**CHILD_ENV, **os.environ})
     if not summary["ok"]:
-        raise ValueError(f"pipeline failed (exit {rc}): {summary['error']}")
+        raise ValueError(f"run failed (exit {rc}): {summary['error']}")
     summary.pop("ok", None)
     return summary
 
 
 def _forward(line: str) -> None:
-    """Progress goes to stderr (inherited); stdout lines are forwarded, except the pipeline's summary
+    """Progress goes to stderr (inherited); stdout lines are forwarded, except the launcher's summary
     (the caller prints its own)."""
     if not line.lstrip().startswith("{"):
         print(line, end="", flush=True)

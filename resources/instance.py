@@ -1,5 +1,5 @@
 """The project-local Dagster instance: DAGSTER_HOME under the project (or wherever DAGSTER_HOME
-already points), with telemetry disabled in its dagster.yaml."""
+already points), with telemetry disabled in its dagster.yaml; and the code location its runs belong to."""
 from __future__ import annotations
 
 import os
@@ -9,6 +9,7 @@ from pathlib import Path
 from resources.storage import PROJECT_ROOT
 
 TEMPLATE = Path(__file__).with_name("dagster.yaml")
+WORKSPACE = PROJECT_ROOT / "workspace.yaml"
 
 
 def ensure_dagster_home(path: str | Path | None = None) -> Path:
@@ -28,3 +29,14 @@ def project_instance(path: str | Path | None = None):
 
     ensure_dagster_home(path)
     return DagsterInstance.get()
+
+
+def job_origin(job_name: str):
+    """Where a job lives in the workspace the UI loads (workspace.yaml's code location): a run created
+    with it shows on the UI's timeline and re-executes from the UI like a run launched there."""
+    from dagster._core.definitions.repository_definition.valid_definitions import SINGLETON_REPOSITORY_NAME
+    from dagster._core.remote_origin import RemoteRepositoryOrigin
+    from dagster._core.workspace.load import location_origins_from_yaml_paths
+
+    (location,) = location_origins_from_yaml_paths([str(WORKSPACE)])
+    return RemoteRepositoryOrigin(location, SINGLETON_REPOSITORY_NAME).get_job_origin(job_name)

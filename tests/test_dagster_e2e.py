@@ -1,6 +1,7 @@
 """The whole graph on the tiny target through Dagster, started the way users start it: `eagle3 run`
-(which runs `python -m pipeline` in a child process). Then a second run skips every step Dagster's records
-show up to date, and a third rebuilds only the step whose stored output went missing."""
+(which runs `python -m assets.launch` in a child process). Its runs are runs of the named jobs, in the
+instance the UI reads. Then a second run skips every step Dagster reports up to date, and a third
+rebuilds only the step whose stored output went missing."""
 import json
 import os
 import shutil
@@ -44,7 +45,7 @@ def test_whole_graph_on_tiny_target_through_dagster(tmp_path, tiny_target_dir):
     assert summary["headline"] and summary["wall_s"] > 0  # the benchmark's figures, from Dagster's records
     assert not list((tmp_path / "dagster_home").glob("*state*.json"))  # Dagster's records decide, no own file
 
-    # The runs are in the persistent instance the UI reads.
+    # The runs are in the persistent instance the UI reads, as runs of the named jobs of its code location.
     os.environ["DAGSTER_HOME"] = str(tmp_path / "dagster_home")
     try:
         from dagster import AssetKey, DagsterInstance
@@ -52,6 +53,13 @@ def test_whole_graph_on_tiny_target_through_dagster(tmp_path, tiny_target_dir):
         with DagsterInstance.get() as inst:
             for name in ("filtered_prompts", "feature_shards", "draft_head", "benchmark_report"):
                 assert inst.fetch_materializations(AssetKey(name), limit=1).records, name
+            runs = inst.get_runs()
+            assert {r.job_name for r in runs} == {"observe_workload_sources", "workload_refresh", "draft_retrain",
+                                                  "deploy_and_benchmark"}
+            assert all(r.remote_job_origin.location_name == "definitions" for r in runs)
+            assert all(r.tags["eagle3/preset"] == "tiny" and r.tags["eagle3/target"] == summary["target"]
+                       for r in runs)
+            assert {r.tags.get("dagster/partition") for r in runs if r.job_name == "workload_refresh"} == {"code"}
     finally:
         os.environ.pop("DAGSTER_HOME", None)
 
