@@ -1,5 +1,5 @@
 """The other side of the CLI contract: run a command whose last stdout line is its JSON summary
-(`eagle3 …`, `python -m pipeline`) and read that summary back. The ONE reader; used by `eagle3 run`,
+(`eagle3 …`, `python -m assets.launch`) and read that summary back. The ONE reader; used by `eagle3 run`,
 the Pipes worker and the benchmark asset. Dagster-free."""
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def run_with_summary(cmd: list[str], echo: Callable[[str], None] | None = None, 
 
 class _Forwarder:
     """SIGTERM/SIGHUP sent to this process while the command runs go to the command too (without this,
-    `kill` of `eagle3 run` left the pipeline running on its own). Installed before the command starts,
+    `kill` of `eagle3 run` would leave its launcher running on its own). Installed before the command starts,
     so none falls in between. A signal this process ignores stays ignored, the command's too (SIGHUP
     under nohup); a handler already installed (Dagster's, in a step) still runs after. Only the main
     thread can handle signals: elsewhere this does nothing."""

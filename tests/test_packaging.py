@@ -43,7 +43,7 @@ def test_every_library_module_imports_without_dagster():
 
 
 def test_only_the_library_is_installed():
-    """assets/resources/definitions/pipeline are generic names: never installed into site-packages."""
+    """assets/resources/definitions are generic names: never installed into site-packages."""
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert cfg["tool"]["setuptools"]["packages"]["find"]["include"] == ["eagle3_platform*"]
     assert "py-modules" not in cfg["tool"]["setuptools"]
@@ -52,6 +52,6 @@ def test_only_the_library_is_installed():
     assert all("==" in d for extra in cfg["project"]["optional-dependencies"].values() for d in extra)  # exact pins
     assert cfg["tool"]["dagster"]["module_name"] == "definitions"
     r = subprocess.run([sys.executable, "-c", "import importlib.util as u; "
-                        "print([m for m in ('assets', 'resources', 'definitions', 'pipeline') if u.find_spec(m)])"],
+                        "print([m for m in ('assets', 'resources', 'definitions') if u.find_spec(m)])"],
                        cwd="/", capture_output=True, text=True, timeout=120)
     assert r.stdout.strip() == "[]", r.stdout + r.stderr

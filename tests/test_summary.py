@@ -27,9 +27,9 @@ def test_failures_always_carry_ok_false_and_an_error():
 
 
 def test_stopping_the_caller_stops_the_command_it_runs(tmp_path):
-    """SIGTERM to a process inside run_with_summary (`eagle3 run`) reaches the command (the pipeline),
-    which ends; the caller goes on to report it. Before, the command ran on, orphaned. A signal the
-    caller ignores (SIGHUP under nohup) stays ignored by both."""
+    """SIGTERM to a process inside run_with_summary (`eagle3 run`) reaches the command it runs (the
+    launcher), which ends; the caller goes on to report it, and the command is not left running on its
+    own. A signal the caller ignores (SIGHUP under nohup) stays ignored by both."""
     import os
     import signal
     import subprocess
