@@ -25,7 +25,7 @@ def test_definitions_resolve_in_process():
         assert graph.get(AssetKey(name)).partitions_def == part
     for name in ("draft_vocab", "draft_head", "deployment", "benchmark_report"):
         assert graph.get(AssetKey(name)).partitions_def is None
-    # lineage: the chain the design describes
+    # lineage: prompts → responses → features → vocab → head
     assert AssetKey("workload_sources") in graph.get(AssetKey("filtered_prompts")).parent_keys
     assert AssetKey("feature_shards") in graph.get(AssetKey("draft_vocab")).parent_keys
     assert {AssetKey("draft_vocab"), AssetKey("feature_shards")} <= graph.get(AssetKey("draft_head")).parent_keys
@@ -128,7 +128,7 @@ def test_every_preset_has_an_acceptance_gate():
     from assets.checks import GATES
     from eagle3_platform.config import PRESET_NAMES
 
-    assert set(GATES) == set(PRESET_NAMES)  # `eagle3 run --preset cpu` used to fail its check (KeyError)
+    assert set(GATES) == set(PRESET_NAMES)  # a preset without one fails its blocking check (KeyError)
 
 
 @pytest.mark.integration
