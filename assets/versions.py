@@ -1,9 +1,11 @@
-"""Each asset's `code_version`: a hash of what determines its output, so the Dagster UI marks an asset
-stale when its code or its settings change (and `eagle3 run` rebuilds exactly those).
+"""Each asset's `code_version`: a hash of what determines its output, so Dagster marks an asset stale
+when its code or its settings change (and `eagle3 run` rebuilds exactly those).
 
-What determines an asset's output: its own module, the library code its stages run, and the resolved
-settings it reads (the preset's area configs, the compute overrides, the target). Code shared by every
-stage (records, the stage seam, config composition) counts for every asset.
+The code is derived from the source, not listed: the project's definitions the asset can run, from
+its own function through every import, lazy ones included (assets/closure.py). The settings are the
+resolved values it reads: the preset's area configs (AREAS), the target, and for an asset that runs
+a model (eagle3_platform/compute.py among its code) the compute overrides and what `auto` resolves
+to on this machine.
 """
 from __future__ import annotations
 
@@ -12,25 +14,20 @@ import hashlib
 import json
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-SHARED = ("eagle3_platform/records.py", "eagle3_platform/stage.py", "eagle3_platform/config.py",
-          "eagle3_platform/storage.py", "assets/partitions.py", "assets/versions.py")
-MODEL = ("eagle3_platform/target.py", "eagle3_platform/compute.py", "eagle3_platform/attention.py",
-         "eagle3_platform/kv_cache.py")
+from assets.closure import project
 
-# asset -> (source files/dirs relative to the project, preset areas it reads)
-INPUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "filtered_prompts": (("assets/prompts.py", "eagle3_platform/data"), ("sources", "pii", "filter", "regen")),
-    "target_responses": (("assets/responses.py", "eagle3_platform/data", *MODEL), ("regen", "pii")),
-    "feature_shards": (("assets/features.py", "eagle3_platform/features", *MODEL), ("features",)),
-    "draft_vocab": (("assets/draft.py", "eagle3_platform/draft/vocab.py", "eagle3_platform/draft/stages.py",
-                     "eagle3_platform/features/shards.py"), ("train",)),
-    "draft_head": (("assets/draft.py", "eagle3_platform/draft", "eagle3_platform/features/shards.py",
-                    "eagle3_platform/spec/answer_ngrams.py", *MODEL), ("train",)),
-    "deployment": (("assets/deploy.py", "resources/serving.py", "eagle3_platform/serve", "eagle3_platform/spec",
-                    *MODEL), ("spec", "serve")),
-    "benchmark_report": (("assets/bench.py", "resources/serving.py", "eagle3_platform/bench",
-                          "eagle3_platform/serve", "eagle3_platform/spec", *MODEL), ("spec", "serve", "bench")),
+ROOT = Path(__file__).resolve().parents[1]
+COMPUTE = "eagle3_platform/compute.py"  # among an asset's code: the asset runs a model
+
+# asset -> the preset areas whose settings it reads
+AREAS: dict[str, tuple[str, ...]] = {
+    "filtered_prompts": ("sources", "pii", "filter", "regen"),
+    "target_responses": ("regen", "pii"),
+    "feature_shards": ("features",),
+    "draft_vocab": ("train",),
+    "draft_head": ("train",),
+    "deployment": ("spec", "serve"),
+    "benchmark_report": ("spec", "serve", "bench"),
 }
 # where an asset reads only part of an area: the filter's prompt budget is max_length - max_new_tokens
 # (a regeneration time budget or batch size does not change which prompts are kept)
@@ -41,56 +38,67 @@ AREA_FIELDS: dict[tuple[str, str], tuple[str, ...]] = {
 CONTINUABLE: dict[tuple[str, str], tuple[str, ...]] = {("target_responses", "regen"): ("time_budget_s",)}
 
 
-def _files(rel: str) -> list[Path]:
-    p = ROOT / rel
-    return sorted(p.rglob("*.py")) if p.is_dir() else [p]
+def closure(asset: str, root: Path = ROOT) -> frozenset[str]:
+    """The files (relative to root) holding the code the asset can run."""
+    return project(Path(root)).files(asset)
 
 
-def source_hash(paths) -> str:
-    h = hashlib.sha256()
-    for f in sorted({f for rel in paths for f in _files(rel)}):
-        name = f.relative_to(ROOT) if f.is_relative_to(ROOT) else f  # the same hash in every checkout
-        h.update(str(name).encode() + b"\0" + f.read_bytes())
-    return h.hexdigest()
+def source_hash(asset: str, root: Path = ROOT) -> str:
+    """Hash of the code the asset can run (its syntax, not its comments or layout)."""
+    return project(Path(root)).source_hash(asset)
 
 
-def settings(asset: str, preset, target, continuable: bool = True) -> dict:
+def runs_model(asset: str, root: Path = ROOT) -> bool:
+    return COMPUTE in closure(asset, root)
+
+
+def machine_compute() -> dict:
+    """What `auto` resolves to on this machine (eagle3_platform.compute's own resolvers): the device,
+    and the dtype of each kind of work (decode: serving, regeneration; dense: extraction, training)."""
+    from eagle3_platform import compute
+
+    device = compute.resolve_device("auto")
+    return {"device": device, **{work: compute.resolve_dtype("auto", device, work) for work in compute.WORK}}
+
+
+def settings(asset: str, preset, target, continuable: bool = True, root: Path = ROOT) -> dict:
     """The resolved settings an asset's output depends on (preset and target resources); without the
     CONTINUABLE ones when continuable is False."""
-    paths, area_names = INPUTS[asset]
+    if asset not in AREAS:
+        raise KeyError(f"assets/versions.py AREAS names no preset areas for asset {asset!r}")
     config = preset.config()
-    areas = {a: dataclasses.asdict(getattr(config, a)) for a in area_names}
+    areas = {a: dataclasses.asdict(getattr(config, a)) for a in AREAS[asset]}
     for (name, area), fields in AREA_FIELDS.items():
         if name == asset:
             areas[area] = {k: areas[area][k] for k in fields}
     for (name, area), fields in CONTINUABLE.items():
         if name == asset and not continuable:
             areas[area] = {k: v for k, v in areas[area].items() if k not in fields}
-    runs_model = "eagle3_platform/compute.py" in paths  # only then do the dtype/threads overrides count
-    return {"preset": preset.name, "compute": preset.compute() if runs_model else {}, "areas": areas,
+    model = runs_model(asset, root)  # only then do the dtype/threads overrides and the machine count
+    compute = preset.compute() if model else {}
+    machine = machine_compute() if model and compute.get("dtype", "auto") == "auto" else {}
+    return {"preset": preset.name, "compute": compute, "machine": machine, "areas": areas,
             "target": {"model": target.model, "max_length": target.max_length, "endpoint": target.endpoint}}
 
 
-def settings_blob(asset: str, preset, target, continuable: bool = True) -> str:
+def settings_blob(asset: str, preset, target, continuable: bool = True, root: Path = ROOT) -> str:
     """settings() as one canonical JSON string (what code versions and staging keys hash)."""
-    return json.dumps(settings(asset, preset, target, continuable), sort_keys=True, default=str)
+    return json.dumps(settings(asset, preset, target, continuable, root), sort_keys=True, default=str)
 
 
-def code_version(asset: str, preset, target, continuable: bool = True) -> str:
+def code_version(asset: str, preset, target, continuable: bool = True, root: Path = ROOT) -> str:
     """continuable=False: the version an earlier output must have been made at to be continued (the
     CONTINUABLE settings left out)."""
-    paths, _ = INPUTS[asset]
-    blob = settings_blob(asset, preset, target, continuable)
-    return hashlib.sha256((source_hash((*SHARED, *paths)) + blob).encode()).hexdigest()[:16]
+    blob = settings_blob(asset, preset, target, continuable, root)
+    return hashlib.sha256((source_hash(asset, root) + blob).encode()).hexdigest()[:16]
 
 
-def with_code_versions(assets: list, preset, target) -> list:
-    """The assets with the code version each gets under these resources (others unchanged)."""
+def with_code_versions(assets: list, preset, target, root: Path = ROOT) -> list:
+    """The assets with the code version each materializable one gets under these resources."""
     out = []
     for a in assets:
-        names = {k.to_user_string() for k in getattr(a, "keys", ())}
-        if names and names <= set(INPUTS) and hasattr(a, "map_asset_specs"):
+        if getattr(a, "is_materializable", False) and hasattr(a, "map_asset_specs"):
             a = a.map_asset_specs(lambda s: s.replace_attributes(
-                code_version=code_version(s.key.to_user_string(), preset, target)))
+                code_version=code_version(s.key.to_user_string(), preset, target, root=root)))
         out.append(a)
     return out
