@@ -1,5 +1,6 @@
 """Dagster assets: thin wrappers that read config/partition, call one library step, and report
-metadata. Everything heavy lives in `eagle3_platform` (which never imports Dagster)."""
+metadata. Everything heavy lives in `eagle3_platform` (which never imports Dagster). Beside them: the
+checks, the named jobs and the sensor, and `assets.launch` (what `eagle3 run` runs)."""
 from assets.bench import benchmark_report
 from assets.checks import draft_head_acceptance
 from assets.deploy import deployment
