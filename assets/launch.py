@@ -19,12 +19,17 @@ from types import SimpleNamespace
 from urllib.parse import unquote
 
 from dagster import AssetKey, AssetRecordsFilter, AssetSelection
+# The UI's own stale-status resolver and run machinery: private in Dagster (pinned in pyproject.toml).
 from dagster._core.asset_graph_view.asset_graph_view import AssetGraphView, TemporalContext
 from dagster._core.definitions.data_version import CachingStaleStatusResolver, StaleStatus
+from dagster._core.definitions.job_base import InMemoryJob
+from dagster._core.execution.api import execute_run
+from dagster._core.execution.execute_in_process import merge_run_tags
 from dagster._time import get_current_datetime
 
 from assets.jobs import JOB_OF, SERVE
 from assets.metadata import REBUILD_TAG
+from resources.instance import job_origin, project_instance
 
 RUN_CONFIG = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
 LAUNCHED_BY = {"eagle3/launched_by": "eagle3 run"}
@@ -102,12 +107,6 @@ def _metadata(record) -> dict:
 def launch(instance, defs, job_name: str, selection=None, partition=None, tags=None):
     """One run of the defined job `job_name` over `selection` (None: the whole job), executed here and
     recorded in the instance as belonging to the workspace's code location (so the UI can re-execute it)."""
-    from dagster._core.definitions.job_base import InMemoryJob
-    from dagster._core.execution.api import execute_run
-    from dagster._core.execution.execute_in_process import merge_run_tags
-
-    from resources.instance import job_origin
-
     job = defs.resolve_job_def(job_name)
     tags = merge_run_tags(job, partition, {**LAUNCHED_BY, **(tags or {})}, selection, instance, RUN_CONFIG)
     run = instance.create_run_for_job(job_def=job, run_config=RUN_CONFIG, tags=tags,
@@ -179,8 +178,6 @@ def definitions_for(a: SimpleNamespace):
 
 
 def run(a: SimpleNamespace) -> dict:
-    from resources.instance import project_instance
-
     if a.data_dir:
         os.environ["EAGLE3_DATA_DIR"] = str(Path(a.data_dir).resolve())
     instance = project_instance(a.dagster_home)

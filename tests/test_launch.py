@@ -166,7 +166,7 @@ def parse(*argv):
     return build_parser().parse_args(["run", *argv])
 
 
-def test_the_flags_reach_the_launcher_as_parsed(monkeypatch):
+def test_the_flags_reach_the_launcher_as_parsed():
     from pathlib import Path
 
     from eagle3_platform.run_cli import launch_command
