@@ -163,6 +163,7 @@ class Project:
             out += [(m.name, i) for i in m.on_import] if m else []
         return out
 
+    @functools.cache
     def _follow(self, stmt: Stmt) -> list[Stmt]:
         m = self.module(stmt[0])
         out = []
@@ -214,26 +215,24 @@ class Project:
 
     def _whole(self, name: str) -> list[Stmt]:
         m = self.module(name)
-        if m is None:
-            return []
-        skip = set(m.main)
-        return [(m.name, i) for i in range(len(m.stmts)) if i not in skip and not _is_guard(m.stmts[i], "TYPE_CHECKING")]
+        skip = set(m.main) if m else set()
+        return [(m.name, i) for i, s in enumerate(m.stmts if m else ())
+                if i not in skip and not _is_guard(s, "TYPE_CHECKING")]
 
     def _program(self, name: str, subcommand: str | None) -> list[Stmt]:
-        out = self._whole(name) + [(name, i) for i in (self.module(name).main if self.module(name) else ())]
-        if name == CLI:
+        out = self._whole(name) + [(name, i) for i in self.module(name).main]
+        if name == CLI:  # the area registering the subcommand; every area where the command hides it
             areas = self.cli_areas()
-            chosen = [a for a, commands in areas.items() if subcommand in commands]
-            for area in chosen or list(areas):
-                out += self._whole(area)
+            chosen = [a for a, commands in areas.items() if subcommand in commands] or list(areas)
+            out += [s for a in chosen for s in self._whole(a)]
         return out
 
     def cli_areas(self) -> dict[str, set[str]]:
-        """eagle3_platform.cli's area modules -> the subcommands each registers (`add_parser("x")`)."""
+        """eagle3_platform.cli and its area modules -> the subcommands each registers (`add_parser`)."""
         cli = self.module(CLI)
         names = [v for i in cli.defines.get("AREAS", ()) for v in _strings(cli.stmts[i])] if cli else []
         out = {}
-        for name in names:
+        for name in [CLI, *names] if cli else []:
             m = self.module(name)
             out[name] = {c.args[0].value for s in (m.stmts if m else ()) for c in ast.walk(s)
                          if isinstance(c, ast.Call) and getattr(c.func, "attr", "") == "add_parser"
@@ -254,10 +253,13 @@ class Project:
     @functools.cache
     def source_hash(self, asset: str) -> str:
         h = hashlib.sha256()
-        parts = sorted((self.module(n).rel, ast.dump(self.module(n).stmts[i])) for n, i in self.reach(asset))
-        for rel, dump in parts:
-            h.update(f"{rel}\0{dump}\0".encode())
+        for rel, digest in sorted((self.module(stmt[0]).rel, self._digest(stmt)) for stmt in self.reach(asset)):
+            h.update(f"{rel}\0{digest}\0".encode())
         return h.hexdigest()
+
+    @functools.cache
+    def _digest(self, stmt: Stmt) -> str:
+        return hashlib.sha256(ast.dump(self.module(stmt[0]).stmts[stmt[1]]).encode()).hexdigest()
 
 
 class _Refs(ast.NodeVisitor):
@@ -276,6 +278,8 @@ class _Refs(ast.NodeVisitor):
                 if isinstance(node, (ast.Import, ast.ImportFrom)):
                     self.local.update({k: v for k, v in self.project._bindings(self.module, node) if v})
             self.visit(stmt)
+            for text in _quoted_annotations(stmt):  # `-> "Config"`: pydantic and dagster evaluate them
+                self.visit(text)
         return [(kind, value, self.local if kind == "chain" else extra) for kind, value, extra in self.refs]
 
     def visit_Name(self, node: ast.Name) -> None:
@@ -295,10 +299,11 @@ class _Refs(ast.NodeVisitor):
     def _sequence(self, node: ast.List | ast.Tuple) -> None:
         elts = node.elts
         for k, e in enumerate(elts[:-1]):
-            if _const(e) == "-m" and isinstance(_const(elts[k + 1]), str) and self.project.path(_const(elts[k + 1])):
+            module = _const(elts[k + 1])
+            if _const(e) == "-m" and isinstance(module, str) and self.project.path(module):
                 nxt = _const(elts[k + 2]) if k + 2 < len(elts) else None
                 sub = nxt if isinstance(nxt, str) and not nxt.startswith("-") else None
-                self.refs.append(("program", _const(elts[k + 1]), sub))
+                self.refs.append(("program", module, sub))
                 self.consumed.add(id(elts[k + 1]))
         self.generic_visit(node)
 
@@ -324,6 +329,26 @@ def _without_docstrings(tree: ast.Module) -> ast.Module:
     return tree
 
 
+def _quoted_annotations(stmt: ast.stmt) -> list[ast.expr]:
+    out = []
+    for node in ast.walk(stmt):
+        if isinstance(node, ast.arg):
+            annotations = [node.annotation]
+        elif isinstance(node, ast.AnnAssign):
+            annotations = [node.annotation]
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            annotations = [node.returns]
+        else:
+            continue
+        for c in (n for a in annotations if a is not None for n in ast.walk(a)):
+            if isinstance(c, ast.Constant) and isinstance(c.value, str):
+                try:
+                    out.append(ast.parse(c.value, mode="eval").body)
+                except SyntaxError:
+                    pass  # a Literal's value, not a name
+    return out
+
+
 def _const(node):
     if isinstance(node, ast.Expr):
         node = node.value
@@ -342,11 +367,10 @@ def _is_guard(s: ast.stmt, what: str) -> bool:
 
 
 def _names(s) -> list[str]:
-    targets = s.targets if isinstance(s, ast.Assign) else [s.target]
-    out = []
-    for t in targets:
-        out += [n.id for n in ast.walk(t) if isinstance(n, ast.Name)] if isinstance(t, (ast.Name, ast.Tuple)) else []
-    return out
+    """The names an assignment binds (none where it sets an attribute or an item: that acts)."""
+    targets = [t for t in (s.targets if isinstance(s, ast.Assign) else [s.target])
+               if isinstance(t, (ast.Name, ast.Tuple))]
+    return [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
 
 
 def _strings(s: ast.stmt) -> list[str]:

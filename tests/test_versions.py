@@ -98,7 +98,7 @@ def test_the_library_loads_modules_by_name_only_where_the_closure_resolves_it():
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     registered = {c: m for m, commands in project.cli_areas().items() for c in commands}
     for command, parser in sub.choices.items():  # a subcommand's handler is in the area registering it
-        assert parser.get_default("func").__module__ == registered.get(command, "eagle3_platform.cli"), command
+        assert parser.get_default("func").__module__ == registered[command], command
 
 
 def test_a_change_deep_in_the_library_makes_exactly_its_users_stale(tmp_path):
