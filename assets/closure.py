@@ -18,7 +18,8 @@ What the code loads by a string:
 - `eagle3_platform.cli` loads each area's cli module by name and runs the handler of one subcommand:
   a command that spells it (`-m eagle3_platform.cli serve`) brings the area registering it, one that
   does not (`-m eagle3_platform.cli *args`) brings every area;
-- any other dotted string equal to a project module's name counts that module whole.
+- any other dotted string equal to a project module's name counts that module whole (except in
+  this module, which names modules as data).
 Another asset named in a decorator (`deps=[...]`) is lineage, not code this asset runs.
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pathlib import Path
 PACKAGES = ("eagle3_platform", "assets", "resources")
 ASSET_DECORATORS = ("asset", "multi_asset", "observable_source_asset")
 STAGE, CLI, RUNNERS = "eagle3_platform.stage", "eagle3_platform.cli", "RUNNERS"
+NAMES_ONLY = (STAGE, CLI, __name__)  # their strings name modules without loading them (see above)
 
 Stmt = tuple[str, int]  # (module name, index of a top-level statement)
 
@@ -173,7 +175,7 @@ class Project:
                 out += self._chain(m, value, extra)
             elif kind == "program":
                 out += self._program(value, extra)
-            elif kind == "named" and m.name not in (STAGE, CLI):  # the dispatchers: see the docstring
+            elif kind == "named" and m.name not in NAMES_ONLY:
                 out += self._whole(value)
         return out
 
@@ -315,7 +317,7 @@ class _Refs(ast.NodeVisitor):
             return
         if "." in v and self.project.path(v):  # dotted: a bare "assets" is a path part or a key
             self.refs.append(("named", v, None))
-        elif v.endswith(".py") and "/" not in v:
+        elif v.endswith(".py") and v[:-3].isidentifier() and v != "__init__.py":
             sibling = f"{self.module.package}.{v[:-3]}" if self.module.package else v[:-3]
             if self.project.path(sibling):
                 self.refs.append(("program", sibling, None))
