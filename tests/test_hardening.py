@@ -226,7 +226,7 @@ def tok():
 
 
 def _app(tok, api_key=None):
-    cfg = ServeConfig(max_tokens=40, default_max_tokens=4, max_queue=4)
+    cfg = ServeConfig(max_tokens=40, default_max_tokens=4, max_queue=4, allowed_hosts=("testserver",))
     return build_app(FakeEngine(word_token_ids(tok), chunk=3), tok, cfg, model_name="fake",
                      context_length=256, api_key=api_key)
 

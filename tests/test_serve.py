@@ -30,7 +30,8 @@ def tok():
 
 def make_app(tok, engine=None, api_key=None, **cfg):
     engine = engine or FakeEngine(word_token_ids(tok), chunk=3)
-    base = ServeConfig(max_tokens=40, default_max_tokens=12, max_queue=16, max_body_bytes=20_000)
+    base = ServeConfig(max_tokens=40, default_max_tokens=12, max_queue=16, max_body_bytes=20_000,
+                       allowed_hosts=("testserver",))  # the Host TestClient sends
     app = build_app(engine, tok, base.with_(**cfg), model_name="fake-model",
                     context_length=256, api_key=api_key)
     return app, engine
@@ -453,7 +454,8 @@ def test_real_engine_through_server_is_lossless(tiny_target_dir, tiny_export):
     outs = {}
     for name, draft in (("baseline", None), ("eagle3", tiny_export)):
         engine, target, meta = build_engine(tiny_target_dir, draft, "tree")
-        app = build_app(engine, target.tokenizer, ServeConfig(max_tokens=24), model_name=name,
+        cfg = ServeConfig(max_tokens=24, allowed_hosts=("testserver",))
+        app = build_app(engine, target.tokenizer, cfg, model_name=name,
                         context_length=int(target.model.config.max_position_embeddings), info=meta)
         with TestClient(app) as c:
             r = c.post(CHAT, json={"messages": MSGS, "max_tokens": 20})

@@ -17,6 +17,17 @@ class ServeConfig:
     mixed_prefill_tokens: int = 128   # prompt tokens a running step carries (one forward); 0 = apart
     adaptive_draft: bool = True       # choose the draft size per step from measured cost/acceptance
     max_body_bytes: int = 1 << 20     # request bodies larger than this → 413
+    # Against slow or hostile clients (a head or body that never finishes holds a connection):
+    header_timeout_s: float = 10.0    # a request's head must arrive within this → else 408, closed
+    body_timeout_s: float = 30.0      # ... and its body within this after the head → else 408
+    max_header_bytes: int = 16 << 10  # request line + headers; longer → 431 (h11's own bound)
+    max_headers: int = 100            # header fields; more → 431
+    max_json_depth: int = 32          # nesting of the JSON body; deeper → 400
+    keep_alive_s: float = 5.0         # an idle keep-alive connection is closed after this
+    max_connections: int = 512        # open connections; beyond this uvicorn answers 503
+    # Host names served when no API key is set, besides the loopback names and the bind address:
+    # a web page that rebinds its own name to 127.0.0.1 sends its name as Host and is refused.
+    allowed_hosts: tuple[str, ...] = ()
     max_stop: int = 4                 # OpenAI allows up to 4 stop strings
     shutdown_grace_s: float = 5.0     # in-flight requests get this long to finish on SIGTERM/SIGINT
     retry_after_s: int = 1            # Retry-After header on 503

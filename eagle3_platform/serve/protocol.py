@@ -1,15 +1,22 @@
 """OpenAI request validation and response objects (the subset the platform serves).
 
 Unknown fields are ignored (OpenAI clients send many); known fields are type-checked strictly so a
-wrong type is a 400, never a crash or a silent coercion.
+wrong type is a 400, never a crash or a silent coercion. A known field asking for what the engine
+does not do (log-probabilities, tools, penalties, nucleus or top-k sampling, n > 1, ...) is refused
+with a 400 naming it rather than answered without it. The body is parsed here too (`parse_body`):
+bounded nesting, integers and text the tokenizer can take, so nothing later fails on its shape.
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+Number = StrictFloat | StrictInt
+MAX_INT_DIGITS = 64  # no field takes more (seeds are < 2^64: 20 digits)
 
 
 class APIError(Exception):
@@ -25,6 +32,80 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.status}}
 
+
+# -- the body ------------------------------------------------------------------------------------
+
+class _Refused(ValueError):
+    pass
+
+
+def _parse_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise _Refused(f"an integer literal longer than {MAX_INT_DIGITS} digits")
+    return int(text)
+
+
+def _parse_constant(name: str):
+    raise _Refused(f"{name} is not a JSON number")
+
+
+def parse_body(body: bytes, max_depth: int) -> dict:
+    """The request body as a JSON object, or an APIError(400) saying what is wrong with it."""
+    too_deep = APIError(400, f"request body nested deeper than {max_depth} levels")
+    try:
+        obj = json.loads(body, parse_int=_parse_int, parse_constant=_parse_constant)
+    except RecursionError:  # the decoder's own depth bound (the interpreter's recursion limit)
+        raise too_deep from None
+    except _Refused as e:
+        raise APIError(400, f"request body is not valid JSON: {e}") from None
+    except json.JSONDecodeError as e:  # its message gives a position, never the text
+        raise APIError(400, f"request body is not valid JSON: {e.msg} at char {e.pos}") from None
+    except ValueError:  # UnicodeDecodeError: not UTF-8/16/32
+        raise APIError(400, "request body is not valid JSON: not UTF-8 text") from None
+    if not isinstance(obj, dict):
+        raise APIError(400, "request body must be a JSON object")
+    check_tree(obj, max_depth, too_deep)
+    return obj
+
+
+def check_tree(obj, max_depth: int, too_deep: APIError) -> None:
+    """Nesting within max_depth containers, and every string encodable as UTF-8: a lone surrogate
+    (`"\\ud800"` is valid JSON) would fail inside the tokenizer. Iterative: no recursion to exhaust."""
+    stack: list[tuple[Any, tuple, int]] = [(obj, (), 1)]
+    while stack:
+        node, path, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            if depth > max_depth:
+                too_deep.param = field_name(path)
+                raise too_deep
+            items = node.items() if isinstance(node, dict) else enumerate(node)
+            for k, v in items:
+                if isinstance(k, str):
+                    _check_text(k, path + ("<key>",))
+                stack.append((v, path + (k,), depth + 1))
+        elif isinstance(node, str):
+            _check_text(node, path)
+
+
+def _check_text(text: str, path: tuple) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        name = field_name(path)
+        raise APIError(400, f"{name}: text is not valid Unicode (a lone UTF-16 surrogate)",
+                       param=name) from None
+
+
+def field_name(path) -> str:
+    """A field location for messages: keys that are names, never keys that may be user text."""
+    parts = [str(p) if isinstance(p, int) or (p.isidentifier() and len(p) <= 40) or p == "<key>"
+             else "?" for p in path]
+    return ".".join(parts) or "body"
+
+
+# -- the request schema --------------------------------------------------------------------------
 
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -53,13 +134,24 @@ class _Sampling(BaseModel):
     model: StrictStr | None = None
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
-    temperature: StrictFloat | StrictInt = Field(default=0.0, ge=0.0, le=2.0)
+    temperature: Number = Field(default=0.0, ge=0.0, le=2.0)
     stop: StrictStr | list[StrictStr] | None = None
     # torch.Generator.manual_seed takes [-2^63, 2^64): anything else would fail inside the engine
     seed: StrictInt | None = Field(default=None, ge=-(1 << 63), lt=1 << 64)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: StrictInt = Field(default=1, ge=1, le=1)
+    n: StrictInt | None = Field(default=None, ge=1)
+    user: StrictStr | None = None
+    # Known, range-checked, and served only at the values that change nothing (see unsupported()):
+    # the engine samples the full distribution at `temperature`, without penalties or biases.
+    top_p: Number | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: StrictInt | None = Field(default=None, ge=-1)      # vLLM / SGLang: -1 or 0 = off
+    min_p: Number | None = Field(default=None, ge=0.0, le=1.0)
+    presence_penalty: Number | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: Number | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: Number | None = Field(default=None, gt=0.0)
+    logit_bias: dict[StrictStr, Number] | None = None
+    response_format: dict[StrictStr, Any] | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -72,13 +164,55 @@ class _Sampling(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, why) of the first field asking for what this server does not do, else None."""
+        sampling = self.temperature > 0
+        checks = [
+            ("n", (self.n or 1) > 1, "n > 1 is not supported: send one request per completion"),
+            ("top_p", sampling and (self.top_p or 1.0) < 1.0,
+             "top_p < 1 is not supported: the server samples the full distribution"),
+            ("top_k", sampling and (self.top_k or 0) > 0,
+             "top_k is not supported: the server samples the full distribution"),
+            ("min_p", sampling and bool(self.min_p), "min_p is not supported"),
+            ("presence_penalty", bool(self.presence_penalty), "penalties are not supported"),
+            ("frequency_penalty", bool(self.frequency_penalty), "penalties are not supported"),
+            ("repetition_penalty", self.repetition_penalty not in (None, 1, 1.0),
+             "penalties are not supported"),
+            ("logit_bias", bool(self.logit_bias), "logit_bias is not supported"),
+            ("response_format", self.response_format not in (None, {"type": "text"}),
+             "only response_format {\"type\": \"text\"} is supported"),
+        ]
+        return next(((f, why) for f, bad, why in checks + self._unsupported() if bad), None)
+
+    def _unsupported(self) -> list[tuple[str, bool, str]]:
+        return []
+
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    tools: list[Any] | None = None
+    tool_choice: StrictStr | dict[StrictStr, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: StrictStr | dict[StrictStr, Any] | None = None
+
+    def _unsupported(self):
+        return [("logprobs", bool(self.logprobs), "logprobs are not returned by this server"),
+                ("top_logprobs", bool(self.top_logprobs), "logprobs are not returned by this server"),
+                ("tools", bool(self.tools), "tool calls are not supported"),
+                ("tool_choice", self.tool_choice not in (None, "none"), "tool calls are not supported"),
+                ("functions", bool(self.functions), "function calls are not supported"),
+                ("function_call", self.function_call not in (None, "none"),
+                 "function calls are not supported")]
 
 
 class CompletionRequest(_Sampling):
     prompt: StrictStr | list[StrictStr]
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=5)
+    echo: StrictBool | None = None
+    best_of: StrictInt | None = Field(default=None, ge=1)
+    suffix: StrictStr | None = None
 
     def prompt_text(self) -> str:
         if isinstance(self.prompt, str):
@@ -88,12 +222,37 @@ class CompletionRequest(_Sampling):
                            param="prompt")
         return self.prompt[0]
 
+    def _unsupported(self):
+        return [("logprobs", self.logprobs is not None, "logprobs are not returned by this server"),
+                ("echo", bool(self.echo), "echo is not supported"),
+                ("best_of", (self.best_of or 1) > 1, "best_of > 1 is not supported"),
+                ("suffix", bool(self.suffix), "suffix is not supported")]
+
+
+def validate(model: type[_Sampling], obj: dict) -> _Sampling:
+    """The request, or an APIError(400) naming the first field that is wrong or unsupported."""
+    from pydantic import ValidationError
+
+    try:
+        req = model.model_validate(obj)
+    except ValidationError as e:
+        raise APIError(400, validation_message(e), param=_first_loc(e)) from None
+    bad = req.unsupported()
+    if bad is not None:
+        raise APIError(400, f"{bad[0]}: {bad[1]}", param=bad[0])
+    return req
+
+
+def _first_loc(err) -> str | None:
+    errors = err.errors()
+    return field_name(errors[0].get("loc", ())) if errors else None
+
 
 def validation_message(err) -> str:
     """Field locations and reasons only: the offending values may be user text (PII)."""
     parts = []
     for e in err.errors()[:5]:
-        loc = ".".join(str(x) for x in e.get("loc", ())) or "body"
+        loc = field_name(e.get("loc", ()))
         parts.append(f"{loc}: {e.get('msg', 'invalid')}")
     return "invalid request: " + "; ".join(parts)
 

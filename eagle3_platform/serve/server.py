@@ -4,7 +4,15 @@ Routes: POST /v1/chat/completions, POST /v1/completions (SSE streaming or full J
 GET /v1/models, GET /health, GET /server_info (SGLang-compatible `avg_spec_accept_length`).
 The engine is injected (`build_app(engine, tokenizer, ...)`), so tests run with a fake;
 `build_engine(target_dir, draft_dir, spec)` builds the real one. Prompt and output text never reach
-the logs (they may hold PII): only ids, token counts, timings.
+the logs (they may hold PII): only request ids, token counts, timings, exception types.
+
+A request to a completion route ends in exactly one outcome counted in /server_info (ok, rejected,
+disconnected, failed: they sum to requests_total). Anything wrong with the request itself is a 4xx
+naming what (access, headers, body size and deadline, JSON, schema, tokenization); a 500 is an engine
+fault or a bug, logged with the request id. Without an API key only loopback names (and the bind
+address, and cfg.allowed_hosts) are served as Host, and cross-origin requests are refused: a web page
+the user visits can then neither rebind its name to this server nor post to it (a POST must also be
+application/json, which a browser sends cross-origin only after a preflight, never answered here).
 """
 from __future__ import annotations
 
@@ -18,9 +26,10 @@ import os
 import signal
 import socket
 import time
+import traceback
 from pathlib import Path
+from urllib.parse import urlsplit
 
-from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
@@ -30,6 +39,7 @@ from eagle3_platform.draft.metrics import acceptance_length
 from eagle3_platform.records import write_json_atomic
 from eagle3_platform.serve import protocol as P
 from eagle3_platform.serve.config import PRESETS, ServeConfig  # noqa: F401  (PRESETS: preset lookup)
+from eagle3_platform.serve.guard import guarded_h11
 from eagle3_platform.serve.text import TextStream
 from eagle3_platform.serve.worker import EngineWorker, Job, QueueFull
 from eagle3_platform.spec.policy import DraftSizePolicy
@@ -37,6 +47,11 @@ from eagle3_platform.spec.policy import DraftSizePolicy
 log = logging.getLogger("eagle3.serve")
 API_KEY_ENV = "EAGLE3_API_KEY"
 SSE_DONE = b"data: [DONE]\n\n"
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
+# A body over the bound is still read (and dropped) up to this many times the bound before the 413:
+# the client is usually still sending, and closing on unread data resets the connection, which it
+# sees instead of the answer. Beyond that the answer goes at once and the connection closes.
+DRAIN_FACTOR = 8
 
 
 def sse(obj: dict) -> bytes:
@@ -51,8 +66,52 @@ def check_api_key(key: str | None) -> None:
                          "without surrounding spaces: clients cannot send any other key in a header")
 
 
-def error_response(e: P.APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+def error_response(e: P.APIError, rid: str | None = None) -> JSONResponse:
+    headers = {**e.headers, **({"X-Request-Id": rid} if rid else {})}
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+def host_name(value: str) -> str:
+    """The name of a Host (or Origin netloc) value: no port, brackets, trailing dot; lower case."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        name = value[1:value.find("]")] if "]" in value else value[1:]
+    elif value.count(":") == 1:
+        name, _, port = value.partition(":")
+        name = name if port.isdigit() or not port else value
+    else:
+        name = value
+    return name.rstrip(".")
+
+
+class Outcome:
+    """One request's outcome, counted once: ok | rejected | disconnected | failed."""
+
+    def __init__(self, counts: dict):
+        self.counts, self.kind = counts, None
+        counts["requests_total"] += 1
+
+    def __call__(self, kind: str) -> None:
+        if self.kind is None:
+            self.kind = kind
+            self.counts[f"requests_{kind}"] += 1
+
+
+class TrackedStream(StreamingResponse):
+    """A streaming answer that still settles its request when the stream never ran or was cut:
+    Starlette cancels the body iterator when the client leaves (no exception reaches it), or never
+    starts it when the client left before the answer began."""
+
+    def __init__(self, content, outcome: Outcome, job: Job, **kw):
+        super().__init__(content, **kw)
+        self.outcome, self.job = outcome, job
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancelled.set()      # a job whose stream never started still frees its slot
+            self.outcome("disconnected")  # a no-op where the stream counted its own outcome
 
 
 class EngineFailure(Exception):
@@ -83,11 +142,26 @@ class Service:
         self.started = time.time()
         self.counts = {"requests_total": 0, "requests_rejected": 0, "requests_ok": 0,
                        "requests_failed": 0, "requests_disconnected": 0}
+        self.hosts = frozenset(host_name(h) for h in (*LOOPBACK_NAMES, cfg.host, *cfg.allowed_hosts))
 
     # -- plumbing --------------------------------------------------------------------------------
-    def check_auth(self, request: Request) -> None:
-        if self.api_key is None:
+    def check_access(self, request: Request) -> None:
+        """Headers bounded; without an API key, a served Host and no foreign Origin; else the key."""
+        if len(request.headers.raw) > self.cfg.max_headers:
+            raise P.APIError(431, f"more than {self.cfg.max_headers} header fields")
+        if self.api_key is not None:
+            self.check_auth(request)
             return
+        host = request.headers.get("host")
+        if host is not None and host_name(host) not in self.hosts:
+            raise P.APIError(421, "this server does not serve that Host name (without an API key it "
+                                  "answers only its loopback names and bind address)", param="host")
+        origin = request.headers.get("origin")
+        if origin is not None and host_name(urlsplit(origin).netloc or origin) not in self.hosts:
+            raise P.APIError(403, "cross-origin requests are refused when no API key is set",
+                             param="origin")
+
+    def check_auth(self, request: Request) -> None:
         got = request.headers.get("authorization", "")
         scheme, _, token = got.partition(" ")
         # bytes: compare_digest refuses non-ASCII str (a TypeError → 500 for a client's typo);
@@ -97,25 +171,58 @@ class Service:
             raise P.APIError(401, "missing or invalid API key (Authorization: Bearer <key>)",
                              type_="authentication_error")
 
-    async def read_json(self, request: Request) -> dict:
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > self.cfg.max_body_bytes:
-            raise P.APIError(413, f"request body larger than {self.cfg.max_body_bytes} bytes")
-        body = bytearray()
+    @staticmethod
+    def check_content_type(request: Request) -> None:
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind != "application/json":
+            raise P.APIError(415, "Content-Type must be application/json", param="content-type")
+
+    async def read_body(self, request: Request) -> bytes:
+        """The body, within cfg.max_body_bytes and cfg.body_timeout_s. One 413 path: a larger body,
+        declared or not, is drained up to DRAIN_FACTOR x the bound and then refused."""
+        limit, cap = self.cfg.max_body_bytes, DRAIN_FACTOR * self.cfg.max_body_bytes
+        too_large = P.APIError(413, f"request body larger than {limit} bytes")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and (len(declared) > 18 or int(declared) > cap):
+            too_large.headers["Connection"] = "close"
+            raise too_large
+        body, size = bytearray(), 0
         try:
-            async for part in request.stream():
-                body += part
-                if len(body) > self.cfg.max_body_bytes:
-                    raise P.APIError(413, f"request body larger than {self.cfg.max_body_bytes} bytes")
+            async with asyncio.timeout(self.cfg.body_timeout_s):
+                async for part in request.stream():
+                    size += len(part)
+                    if size <= limit:
+                        body += part
+                    elif size > cap:
+                        too_large.headers["Connection"] = "close"
+                        break
+        except TimeoutError:
+            raise P.APIError(408, f"request body not received within {self.cfg.body_timeout_s:g} s",
+                             headers={"Connection": "close"}) from None
         except ClientDisconnect:  # upload cut mid-body: nobody to answer, nothing to log but a line
             raise ClientGone() from None
+        if size > limit:
+            raise too_large
+        return bytes(body)
+
+    async def parse(self, request: Request, chat: bool, rid: str) -> tuple[P._Sampling, list[int]]:
+        """Access, headers, body, JSON, schema, tokens: every failure is an APIError (a 4xx)."""
+        self.check_access(request)
+        self.check_content_type(request)
+        body = await self.read_body(request)
+        phase = "parsing the body"
         try:
-            obj = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise P.APIError(400, "request body is not valid JSON") from None
-        if not isinstance(obj, dict):
-            raise P.APIError(400, "request body must be a JSON object")
-        return obj
+            obj = P.parse_body(body, self.cfg.max_json_depth)
+            phase = "validating the request"
+            req = P.validate(P.ChatRequest if chat else P.CompletionRequest, obj)
+            phase = "tokenizing the prompt"
+            ids = self.encode_chat(req) if chat else self.encode_text(req.prompt_text())
+        except P.APIError:
+            raise
+        except Exception as e:  # whatever else the request's content trips is still the request's
+            log.warning("request %s: %s failed: %s", rid, phase, type(e).__name__)
+            raise P.APIError(400, f"request refused: {phase} failed ({type(e).__name__})") from None
+        return req, ids
 
     def encode_chat(self, req: P.ChatRequest) -> list[int]:
         msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
@@ -128,7 +235,12 @@ class Service:
         return [int(i) for i in ids]
 
     def encode_text(self, text: str) -> list[int]:
-        return [int(i) for i in self.tok(text, add_special_tokens=False)["input_ids"]]
+        try:
+            ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        except Exception as e:
+            raise P.APIError(400, f"prompt rejected by the tokenizer: {type(e).__name__}",
+                             param="prompt") from None
+        return [int(i) for i in ids]
 
     def budget(self, req: P._Sampling, n_prompt: int) -> int:
         """max_tokens clamped by the server bound and by what is left of the context."""
@@ -159,30 +271,37 @@ class Service:
                              headers={"Retry-After": str(self.cfg.retry_after_s)}) from None
         return job, events
 
-    async def next_event(self, events: asyncio.Queue, request: Request | None, job: Job):
-        """The worker's next event; meanwhile poll the client so a departed client's job is
-        cancelled (and skipped if still queued) instead of occupying the engine."""
+    async def next_event(self, events: asyncio.Queue, request: Request | None, job: Job,
+                         polled: list[float]):
+        """The worker's next event; meanwhile poll the client every cfg.disconnect_poll_s so a
+        departed client's job is cancelled (and skipped if still queued) instead of occupying the
+        engine. The poll is timed, not tied to a quiet queue: a decode emits faster than the poll
+        interval. polled[0]: the last poll's loop time."""
+        loop, every = asyncio.get_running_loop(), self.cfg.disconnect_poll_s
         getter = asyncio.ensure_future(events.get())
         try:
             while True:
-                done, _ = await asyncio.wait({getter}, timeout=self.cfg.disconnect_poll_s)
+                left = max(0.0, polled[0] + every - loop.time())
+                done, _ = await asyncio.wait({getter}, timeout=left)
+                if request is not None and loop.time() >= polled[0] + every:
+                    polled[0] = loop.time()
+                    if await request.is_disconnected():
+                        job.cancelled.set()
+                        raise ClientGone()
                 if done:
                     return getter.result()
-                if request is not None and await request.is_disconnected():
-                    job.cancelled.set()
-                    raise ClientGone()
         finally:
             if not getter.done():
                 getter.cancel()
 
     async def generate(self, job: Job, events: asyncio.Queue, n_prompt: int,
-                       request: Request | None = None):
+                       request: Request | None = None, rid: str = "-"):
         """Yield ("text", delta)… then ("end", finish_reason, usage). Cancels the job if abandoned."""
         ts = TextStream(self.tok, job.stop)
-        n_out, info = 0, {}
+        n_out, info, polled = 0, {}, [asyncio.get_running_loop().time()]
         try:
             while True:
-                kind, val = await self.next_event(events, request, job)
+                kind, val = await self.next_event(events, request, job, polled)
                 if kind == "error":
                     raise EngineFailure(val)
                 if kind == "done":
@@ -203,8 +322,8 @@ class Service:
         finish = "stop" if ts.stopped else (info.get("finish_reason") or
                                              ("stop" if n_out < job.max_new_tokens else "length"))
         steps, accepted = int(info.get("verify_steps", 0)), int(info.get("accepted_tokens", 0))
-        log.info("request %d: prompt_tokens=%d completion_tokens=%d verify_steps=%d finish=%s "
-                 "%.2fs", job.id, n_prompt, n_out, steps, finish, info.get("seconds", 0.0))
+        log.info("request %s: prompt_tokens=%d completion_tokens=%d verify_steps=%d finish=%s "
+                 "%.2fs", rid, n_prompt, n_out, steps, finish, info.get("seconds", 0.0))
         yield ("end", finish, P.usage(n_prompt, n_out, steps, accepted))
 
     # -- handlers --------------------------------------------------------------------------------
@@ -215,33 +334,28 @@ class Service:
         return await self._complete(request, chat=False)
 
     async def _complete(self, request: Request, chat: bool):
+        rid = P.new_id("chatcmpl" if chat else "cmpl")
+        request.state.rid = rid  # for the crash handler's log line
+        outcome = Outcome(self.counts)
         try:
-            self.check_auth(request)
-            body = await self.read_json(request)
-            try:
-                req = (P.ChatRequest if chat else P.CompletionRequest).model_validate(body)
-            except ValidationError as e:
-                raise P.APIError(400, P.validation_message(e)) from None
-            ids = self.encode_chat(req) if chat else self.encode_text(req.prompt_text())
+            req, ids = await self.parse(request, chat, rid)
             max_new = self.budget(req, len(ids))
             job, events = self.submit(ids, req, max_new)
         except P.APIError as e:
-            self.counts["requests_rejected"] += 1
-            return error_response(e)
+            outcome("rejected")
+            return error_response(e, rid)
         except ClientGone:
-            self.counts["requests_disconnected"] += 1
-            log.info("request body incomplete: client disconnected during upload")
-            return error_response(P.APIError(499, "client disconnected"))
-        self.counts["requests_total"] += 1
-        rid = P.new_id("chatcmpl" if chat else "cmpl")
-        stream = self.generate(job, events, len(ids), request)
+            outcome("disconnected")
+            log.info("request %s: body incomplete, the client disconnected during upload", rid)
+            return error_response(P.APIError(499, "client disconnected"), rid)
+        stream = self.generate(job, events, len(ids), request, rid)
         if req.stream:
-            return StreamingResponse(self._sse(stream, rid, chat, req.include_usage()),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        return await self._full(stream, rid, chat)
+            return TrackedStream(self._sse(stream, rid, chat, req.include_usage(), outcome),
+                                 outcome, job, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+        return await self._full(stream, rid, chat, outcome)
 
-    async def _full(self, stream, rid: str, chat: bool):
+    async def _full(self, stream, rid: str, chat: bool, outcome: Outcome):
         parts, created = [], P.now()
         try:
             async for ev in stream:
@@ -250,16 +364,25 @@ class Service:
                 else:
                     _, finish, use = ev
         except EngineFailure as e:
-            self.counts["requests_failed"] += 1
-            return error_response(P.APIError(500, str(e), type_="server_error"))
+            outcome("failed")
+            log.error("request %s: %s", rid, e)
+            return error_response(P.APIError(500, str(e), type_="server_error"), rid)
         except ClientGone:
-            self.counts["requests_disconnected"] += 1
-            return error_response(P.APIError(499, "client disconnected"))
-        self.counts["requests_ok"] += 1
+            outcome("disconnected")
+            log.info("request %s: client disconnected, its generation was cancelled", rid)
+            return error_response(P.APIError(499, "client disconnected"), rid)
+        except Exception:  # a bug of ours: the crash handler answers 500
+            outcome("failed")
+            raise
+        except BaseException:  # cancelled (the server stops)
+            outcome("disconnected")
+            raise
+        outcome("ok")
         build = P.chat_response if chat else P.completion_response
-        return JSONResponse(build(rid, self.model_name, created, "".join(parts), finish, use))
+        return JSONResponse(build(rid, self.model_name, created, "".join(parts), finish, use),
+                            headers={"X-Request-Id": rid})
 
-    async def _sse(self, stream, rid: str, chat: bool, include_usage: bool):
+    async def _sse(self, stream, rid: str, chat: bool, include_usage: bool, outcome: Outcome):
         created, model = P.now(), self.model_name
         obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -281,20 +404,24 @@ class Service:
                 yield sse(chunk(None, finish))
                 if include_usage:
                     yield sse(P.usage_chunk(rid, model, created, obj, use))
-            self.counts["requests_ok"] += 1
+            outcome("ok")
         except EngineFailure as e:
-            self.counts["requests_failed"] += 1
+            outcome("failed")
+            log.error("request %s: %s", rid, e)
             yield sse(P.APIError(500, str(e), type_="server_error").body())
         except ClientGone:
-            self.counts["requests_disconnected"] += 1
+            outcome("disconnected")
             return
-        finally:
+        except Exception:
+            outcome("failed")
+            raise
+        finally:  # cancelled when the client left: TrackedStream counts it
             await stream.aclose()
         yield SSE_DONE
 
     async def models(self, request: Request):
         try:
-            self.check_auth(request)
+            self.check_access(request)
         except P.APIError as e:
             return error_response(e)
         return JSONResponse({"object": "list", "data": [
@@ -308,7 +435,7 @@ class Service:
 
     async def server_info(self, request: Request):
         try:
-            self.check_auth(request)
+            self.check_access(request)
         except P.APIError as e:
             return error_response(e)
         return JSONResponse(self.server_info_dict())
@@ -369,8 +496,12 @@ def build_app(engine, tokenizer, cfg: ServeConfig | None = None, *, model_name: 
         return error_response(P.APIError(405, f"method {request.method} not allowed"))
 
     async def crash(request, exc):  # last resort: still JSON, never a traceback to the client
-        log.exception("unhandled error on %s", request.url.path)
-        return error_response(P.APIError(500, "internal server error", type_="server_error"))
+        # the frames' code lines, not the exception's message (it may quote the request's text)
+        rid = getattr(request.state, "rid", "-")
+        log.error("request %s: unhandled %s on %s\n%s", rid, type(exc).__name__, request.url.path,
+                  "".join(traceback.format_tb(exc.__traceback__)).rstrip())
+        return error_response(P.APIError(500, "internal server error", type_="server_error"),
+                              rid if rid != "-" else None)
 
     app = Starlette(
         routes=[Route("/v1/chat/completions", svc.chat, methods=["POST"]),
@@ -466,20 +597,29 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def uvicorn_config(app: Starlette, cfg: ServeConfig, log_level: str = "info"):
+    """uvicorn's settings from cfg: the h11 protocol (its head-size bound, with guard.py's head
+    deadline), keep-alive, the connection bound, the shutdown grace."""
+    import uvicorn
+
+    return uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
+                          http=guarded_h11(cfg.header_timeout_s, cfg.max_header_bytes),
+                          h11_max_incomplete_event_size=cfg.max_header_bytes,
+                          timeout_keep_alive=cfg.keep_alive_s,
+                          limit_concurrency=cfg.max_connections,
+                          timeout_graceful_shutdown=cfg.shutdown_grace_s)
+
+
 def run_server(app: Starlette, cfg: ServeConfig, ready_file: str | Path | None = None,
                log_level: str = "info", sock: socket.socket | None = None) -> dict:
     """Serve until SIGTERM/SIGINT; in-flight requests get cfg.shutdown_grace_s to finish.
     `sock`: an already bound socket (bind before loading the model to fail fast on a busy port)."""
-    import uvicorn
-
     sock = sock or bind_socket(cfg.host, cfg.port)
     host, port = sock.getsockname()[:2]
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
     if ready_file:
         write_json_atomic(ready_file, {"url": url, "port": port, "pid": os.getpid()})
-    config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=cfg.shutdown_grace_s)
-    server = _Server.make(config)
+    server = _Server.make(uvicorn_config(app, cfg, log_level))
     log.info("serving on %s", url)
     print(f"[serve] listening on {url}", flush=True)
     server.run(sockets=[sock])
