@@ -206,7 +206,7 @@ def toy(tmp_path) -> Path:
         "eagle3_platform/__init__.py": "",
         "eagle3_platform/lib.py": '"""Doc."""\nfrom eagle3_platform.util import helper\n\nNAMES = []\n'
                                   'NAMES.append("x")  # acts on import\n\n\ndef used():\n'
-                                  '    from .lazy import deep\n    return deep() + helper()\n\n\n'
+                                  '    from .lazy import deep\n    run("script.py")\n    return deep() + helper()\n\n\n'
                                   'def unused():\n    from eagle3_platform.heavy import big\n    return big()\n',
         "eagle3_platform/util.py": "def helper():\n    return 1\n\n\ndef other():\n    return 2\n",
         "eagle3_platform/lazy.py": "def deep():\n    return 2\n",
@@ -215,12 +215,15 @@ def toy(tmp_path) -> Path:
         "eagle3_platform/pkg/impl.py": "class Thing:\n    def run(self):\n"
                                        "        from eagle3_platform.via_class import f\n        return f()\n",
         "eagle3_platform/via_class.py": "def f():\n    return 4\n",
+        "eagle3_platform/script.py": "print(6)\n",  # a file named beside its module
+        "eagle3_platform/named.py": "def g():\n    return 7\n",  # a module named by a dotted string
         "eagle3_platform/prog.py": "def main():\n    return 5\n\n\nif __name__ == '__main__':\n    main()\n",
         "assets/__init__.py": "from assets.a import first, second\n",
         "assets/a.py": "from dagster import asset\n\nfrom eagle3_platform import lib\nfrom eagle3_platform.pkg import Thing\n"
                        "\n\n@asset\ndef first():\n    return lib.used() + Thing().run()\n\n\n"
                        "@asset(deps=[first])\ndef second():\n    import subprocess\n    import sys\n"
-                       "    subprocess.run([sys.executable, '-m', 'eagle3_platform.prog'])\n",
+                       "    subprocess.run([sys.executable, '-m', 'eagle3_platform.prog'])\n"
+                       "    return 'eagle3_platform.named'\n",
     }
     for rel, text in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -233,8 +236,10 @@ def test_the_closure_follows_names_through_lazy_relative_and_package_imports(toy
     assert set(p.assets) == {"first", "second"}
     assert p.files("first") == {"assets/a.py", "eagle3_platform/lib.py", "eagle3_platform/util.py",
                                 "eagle3_platform/lazy.py", "eagle3_platform/pkg/__init__.py",
-                                "eagle3_platform/pkg/impl.py", "eagle3_platform/via_class.py"}
-    assert p.files("second") == {"assets/a.py", "eagle3_platform/prog.py"}  # `first` is lineage
+                                "eagle3_platform/pkg/impl.py", "eagle3_platform/via_class.py",
+                                "eagle3_platform/script.py"}
+    # `first` in its decorator is lineage; the program it runs and the module it names count
+    assert p.files("second") == {"assets/a.py", "eagle3_platform/prog.py", "eagle3_platform/named.py"}
 
 
 @pytest.mark.parametrize("path,old,new,changes", [
