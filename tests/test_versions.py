@@ -5,6 +5,7 @@ the assets that run a model."""
 import ast
 import importlib
 import shutil
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -199,35 +200,68 @@ def test_a_machine_resolving_auto_otherwise_changes_the_model_assets_only(monkey
     assert versions(ROOT, pinned) == pinned_here  # a pinned dtype does not read the machine
 
 
+TOY = {  # a small project: what reaches what is known by construction
+    "eagle3_platform/__init__.py": "",
+    "eagle3_platform/lib.py": '''
+        """Doc."""
+        from eagle3_platform.util import helper
+
+        NAMES = []
+        NAMES.append("x")  # acts on import
+
+
+        def used():
+            from .lazy import deep
+            run("script.py")
+            return deep() + helper()
+
+
+        def unused():
+            from eagle3_platform.heavy import big
+            return big()
+        ''',
+    "eagle3_platform/util.py": "def helper():\n    return 1\n\n\ndef other():\n    return 2\n",
+    "eagle3_platform/lazy.py": "def deep():\n    return 2\n",
+    "eagle3_platform/heavy.py": "def big():\n    return 3\n",
+    "eagle3_platform/pkg/__init__.py": "from eagle3_platform.pkg.impl import Thing\n",
+    "eagle3_platform/pkg/impl.py": '''
+        class Thing:
+            def run(self):
+                from eagle3_platform.via_class import f
+                return f()
+        ''',
+    "eagle3_platform/via_class.py": "def f():\n    return 4\n",
+    "eagle3_platform/script.py": "print(6)\n",  # a file named beside its module
+    "eagle3_platform/named.py": "def g():\n    return 7\n",  # a module named by a dotted string
+    "eagle3_platform/prog.py": "def main():\n    return 5\n\n\nif __name__ == '__main__':\n    main()\n",
+    "assets/__init__.py": "from assets.a import first, second\n",
+    "assets/a.py": '''
+        from dagster import asset
+
+        from eagle3_platform import lib
+        from eagle3_platform.pkg import Thing
+
+
+        @asset
+        def first():
+            return lib.used() + Thing().run()
+
+
+        @asset(deps=[first])
+        def second():
+            import subprocess
+            import sys
+            subprocess.run([sys.executable, "-m", "eagle3_platform.prog"])
+            return "eagle3_platform.named"
+        ''',
+}
+
+
 @pytest.fixture()
 def toy(tmp_path) -> Path:
-    """A small project: what reaches what is known by construction."""
-    files = {
-        "eagle3_platform/__init__.py": "",
-        "eagle3_platform/lib.py": '"""Doc."""\nfrom eagle3_platform.util import helper\n\nNAMES = []\n'
-                                  'NAMES.append("x")  # acts on import\n\n\ndef used():\n'
-                                  '    from .lazy import deep\n    run("script.py")\n    return deep() + helper()\n\n\n'
-                                  'def unused():\n    from eagle3_platform.heavy import big\n    return big()\n',
-        "eagle3_platform/util.py": "def helper():\n    return 1\n\n\ndef other():\n    return 2\n",
-        "eagle3_platform/lazy.py": "def deep():\n    return 2\n",
-        "eagle3_platform/heavy.py": "def big():\n    return 3\n",
-        "eagle3_platform/pkg/__init__.py": "from eagle3_platform.pkg.impl import Thing\n",
-        "eagle3_platform/pkg/impl.py": "class Thing:\n    def run(self):\n"
-                                       "        from eagle3_platform.via_class import f\n        return f()\n",
-        "eagle3_platform/via_class.py": "def f():\n    return 4\n",
-        "eagle3_platform/script.py": "print(6)\n",  # a file named beside its module
-        "eagle3_platform/named.py": "def g():\n    return 7\n",  # a module named by a dotted string
-        "eagle3_platform/prog.py": "def main():\n    return 5\n\n\nif __name__ == '__main__':\n    main()\n",
-        "assets/__init__.py": "from assets.a import first, second\n",
-        "assets/a.py": "from dagster import asset\n\nfrom eagle3_platform import lib\nfrom eagle3_platform.pkg import Thing\n"
-                       "\n\n@asset\ndef first():\n    return lib.used() + Thing().run()\n\n\n"
-                       "@asset(deps=[first])\ndef second():\n    import subprocess\n    import sys\n"
-                       "    subprocess.run([sys.executable, '-m', 'eagle3_platform.prog'])\n"
-                       "    return 'eagle3_platform.named'\n",
-    }
-    for rel, text in files.items():
+    for rel, text in TOY.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(text)
+        (tmp_path / rel).write_text(textwrap.dedent(text).lstrip())
     return tmp_path
 
 
