@@ -57,7 +57,6 @@ class Project:
     def __init__(self, root: Path):
         self.root = Path(root)
         self._modules: dict[str, Module | None] = {}
-        self._refs: dict[Stmt, list] = {}
 
     # -- modules ------------------------------------------------------------------------------
     def module(self, name: str) -> Module | None:
@@ -242,10 +241,8 @@ class Project:
         return out
 
     def _statement_refs(self, stmt: Stmt) -> list:
-        if stmt not in self._refs:
-            m = self.module(stmt[0])
-            self._refs[stmt] = _Refs(self, m).of(m.stmts[stmt[1]])
-        return self._refs[stmt]
+        m = self.module(stmt[0])
+        return _Refs(self, m).of(m.stmts[stmt[1]])
 
     # -- what callers use ---------------------------------------------------------------------
     @functools.cache
@@ -255,7 +252,7 @@ class Project:
     @functools.cache
     def source_hash(self, asset: str) -> str:
         h = hashlib.sha256()
-        for rel, digest in sorted((self.module(stmt[0]).rel, self._digest(stmt)) for stmt in self.reach(asset)):
+        for rel, digest in sorted((self.module(s[0]).rel, self._digest(s)) for s in self.reach(asset)):
             h.update(f"{rel}\0{digest}\0".encode())
         return h.hexdigest()
 
