@@ -15,7 +15,7 @@ from starlette.testclient import TestClient
 
 from eagle3_platform.serve.config import ServeConfig
 from eagle3_platform.serve.server import build_app
-from eagle3_platform.testing.serve import FakeEngine, word_token_ids
+from eagle3_platform.testing.serve import FakeEngine, ThreadServer, word_token_ids
 from eagle3_platform.serve.text import TextStream
 from eagle3_platform.target import tiny_tokenizer
 
@@ -259,29 +259,6 @@ def test_text_stream_holds_back_partial_stop_and_utf8(tok):
 
 
 # -- real sockets -------------------------------------------------------------------------------
-
-class ThreadServer:
-    """uvicorn in a background thread (no signal handlers off the main thread)."""
-
-    def __init__(self, app):
-        import uvicorn
-
-        from eagle3_platform.serve.server import bind_socket
-        self.sock = bind_socket("127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]})
-
-    def __enter__(self):
-        self.thread.start()
-        from eagle3_platform.serve.launch import wait_healthy
-        wait_healthy(self.url, None, 20, None)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(20)
-
 
 def test_concurrent_clients_all_served(tok):
     engine = FakeEngine(word_token_ids(tok), chunk=2, delay_s=0.005)

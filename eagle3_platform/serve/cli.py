@@ -17,6 +17,9 @@ def add_commands(sub) -> None:
     p.add_argument("--port", type=int, default=None, help="port (0 = pick a free one)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (default: $EAGLE3_API_KEY if set)")
+    p.add_argument("--allowed-host", action="append", default=None, metavar="NAME",
+                   help="without an API key, also serve requests whose Host is NAME (repeatable; "
+                        "loopback names and the bind address are always served)")
     p.add_argument("--spec", default="chain",
                    help="speculative preset: chain | chain_adaptive | chain_adaptive_lookup | tree | tiny")
     p.add_argument("--head-weights", default=None, choices=HEAD_WEIGHTS,
@@ -51,8 +54,8 @@ def add_commands(sub) -> None:
 
 
 def serve(a) -> dict:
-    from eagle3_platform.serve.server import (API_KEY_ENV, bind_socket, build_app, build_engine,
-                                              check_api_key, run_server)
+    from eagle3_platform.serve.server import (API_KEY_ENV, bind_socket, bound_kernel_caches, build_app,
+                                              build_engine, check_api_key, run_server)
 
     output_file(a.ready_file, "--ready-file")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -73,7 +76,9 @@ def serve(a) -> dict:
                                   model_name=a.model_name,
                                   torch_threads=a.threads, target_threads=a.target_threads,
                                   draft_threads=a.draft_threads,
-                                  dtype=a.dtype)
+                                  dtype=a.dtype,
+                                  allowed_hosts=tuple(a.allowed_host) if a.allowed_host else None)
+    kernel_caches = bound_kernel_caches(cfg.kernel_cache_entries)  # before any torch op
     if cfg.torch_threads:
         import torch
         torch.set_num_threads(cfg.torch_threads)
@@ -83,5 +88,5 @@ def serve(a) -> dict:
     context = int(getattr(target.model.config, "max_position_embeddings", 2048))
     name = info["target_id"] + ("-eagle3" if info["draft"] else "")
     app = build_app(engine, target.tokenizer, cfg, model_name=name, context_length=context,
-                    api_key=api_key, info=info)
+                    api_key=api_key, info={**info, "kernel_cache_entries": kernel_caches})
     return run_server(app, cfg, ready_file=a.ready_file, sock=sock)

@@ -466,6 +466,20 @@ class Service:
         }
 
 
+# oneDNN's primitive cache and ideep's cache of computations (the layer torch's mkldnn ops go
+# through): both read their capacity from the environment at their first use.
+KERNEL_CACHE_ENV = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def bound_kernel_caches(entries: int) -> dict:
+    """Bound the caches of compiled matmul kernels keyed by input shape (cfg.kernel_cache_entries).
+    Effective only before the process's first oneDNN op (before the target loads: packing its
+    weights is one); a capacity already set in the environment wins. -> the capacities in force."""
+    for name in KERNEL_CACHE_ENV:
+        os.environ.setdefault(name, str(entries))
+    return {name: int(os.environ[name]) for name in KERNEL_CACHE_ENV}
+
+
 def draft_size_policy(engine, cfg: ServeConfig) -> DraftSizePolicy | None:
     """The per-step draft size choice, for an engine that drafts (the baseline has nothing to choose)."""
     spec = getattr(engine, "cfg", None)

@@ -113,6 +113,35 @@ class FakeEngine:
         return FakeBatch(self)
 
 
+class ThreadServer:
+    """An app served by uvicorn in a background thread with the production settings
+    (server.uvicorn_config of the app's ServeConfig) on a free loopback port; no signal handlers
+    (not the main thread). `with ThreadServer(app) as srv: httpx.get(srv.url + "/health")`."""
+
+    def __init__(self, app):
+        import threading
+
+        import uvicorn
+
+        from eagle3_platform.serve.server import bind_socket, uvicorn_config
+        self.sock = bind_socket("127.0.0.1", 0)
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn_config(app, app.state.service.cfg, "warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]})
+
+    def __enter__(self) -> "ThreadServer":
+        from eagle3_platform.serve.launch import wait_healthy
+
+        self.thread.start()
+        wait_healthy(self.url, None, 20, None)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(20)
+
+
 def word_token_ids(tokenizer, text: str = "the quick brown fox jumps over the lazy dog ") -> list[int]:
     """Ids whose decoding is plain text, so streamed output is readable and stop strings work."""
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
