@@ -98,9 +98,9 @@ class Outcome:
 
 
 class TrackedStream(StreamingResponse):
-    """A streaming answer that still settles its request when the stream never ran or was cut:
-    Starlette cancels the body iterator when the client leaves (no exception reaches it), or never
-    starts it when the client left before the answer began."""
+    """A streaming answer that still settles its request when its stream was cut or never began:
+    Starlette cancels the body iterator when the client leaves, so no exception of ours reaches it
+    (and one cancelled before its first step never runs its own handlers)."""
 
     def __init__(self, content, outcome: Outcome, job: Job, **kw):
         super().__init__(content, **kw)

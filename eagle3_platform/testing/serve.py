@@ -2,7 +2,8 @@
 
 `FakeEngine` implements the SpecEngine surface the server uses: `.batch()` (open / prefill / step /
 close, see spec/batch.py). `python -m eagle3_platform.testing.serve` serves it
-over HTTP exactly like `eagle3 serve` (same app, same shutdown path) so subprocess tests are fast.
+over HTTP exactly like `eagle3 serve` (same app, same shutdown path) so subprocess tests are fast;
+`ThreadServer` serves any app in-process on a real socket with the same uvicorn settings.
 """
 from __future__ import annotations
 
