@@ -22,7 +22,7 @@ LOCAL_KEYS = ("uri", "out", "manifest", "header")  # staging paths / header repo
 
 
 def _extract_split(context, w: str, split: str, storage, target, preset, compute) -> dict:
-    from eagle3_platform.records import sha256_file
+    from eagle3_platform.store.records import sha256_file
 
     conv = storage.fetch(Keys.conversations(w, split))
     out = storage.staging(Keys.features(w, split), preset.staging_key(sha256_file(conv)))  # resumable per input

@@ -7,7 +7,7 @@ place that spells those keys.
 
 from dagster import StaticPartitionsDefinition
 
-from eagle3_platform.records import WORKLOADS
+from eagle3_platform.store.records import WORKLOADS
 
 workload_partitions = StaticPartitionsDefinition(list(WORKLOADS))
 

@@ -26,7 +26,7 @@ LOCAL_PATHS = ("uri", "out", "rejected_path")  # staging paths: gone after publi
 
 
 def _regen_split(context, w: str, split: str, storage, target, preset, compute, last: dict) -> dict:
-    from eagle3_platform.records import sha256_file
+    from eagle3_platform.store.records import sha256_file
 
     kept = storage.fetch(Keys.kept(w, split))
     kept_hash = sha256_file(kept)

@@ -33,7 +33,7 @@ def add_prepare_target(sub) -> None:
 
 
 def prepare_target(a) -> dict:
-    from eagle3_platform.cli_args import output_dir
+    from eagle3_platform.store.checks import output_dir
     from eagle3_platform.target import prepare_target
 
     output_dir(a.out)

@@ -40,8 +40,8 @@ from pathlib import Path
 
 import torch
 
-from eagle3_platform.paths import cache_root
-from eagle3_platform.records import write_json_atomic
+from eagle3_platform.store.paths import cache_root
+from eagle3_platform.store.records import write_json_atomic
 
 DTYPES = ("auto", "bfloat16", "float32")
 WORK = ("decode", "dense")  # few rows per weight read (memory-bound) | many (compute-bound)

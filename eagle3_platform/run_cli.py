@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from eagle3_platform.cli_args import output_dir
+from eagle3_platform.store.checks import output_dir
 from eagle3_platform.summary import run_with_summary
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +46,7 @@ def add_commands(sub) -> None:
 
 def checked(a) -> dict:
     """The flags as the launcher reads them (workloads as a list), or ValueError."""
-    from eagle3_platform.records import WORKLOADS
+    from eagle3_platform.store.records import WORKLOADS
 
     flags = {k: v for k, v in vars(a).items() if k not in ("func", "command")}
     flags["workloads"] = [w for w in (a.workloads or ",".join(WORKLOADS)).split(",") if w]

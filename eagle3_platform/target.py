@@ -22,8 +22,8 @@ import torch
 
 from eagle3_platform.compute import (int4_matmul_rows, kv_cache_dtype, narrow_matmul_rows, resolve_dtype,
                                      wide_matmul_rows)
-from eagle3_platform.paths import cache_root  # noqa: F401  (re-exported: callers use target.cache_root)
-from eagle3_platform.records import sha256_file
+from eagle3_platform.store.paths import cache_root  # noqa: F401  (re-exported: callers use target.cache_root)
+from eagle3_platform.store.records import sha256_file
 
 SMOLLM2 = "smollm2-135m-instruct"
 TINY = "tiny-random"

@@ -1,9 +1,9 @@
 """The `storage` resource: artifacts on local disk or in GCS, behind one interface.
 
-A thin Dagster face on `eagle3_platform.storage` (the one storage implementation): `root` is a local
+A thin Dagster face on `eagle3_platform.store.storage` (the one storage implementation): `root` is a local
 directory (default: the project data dir) or `gs://bucket/prefix`. Heavy library steps read and write
 local files; the resource maps every key to a local working path, `fetch`es upstream artifacts there
-before a step and `publish`es outputs after it (`eagle3_platform.storage.Mirror`). On local disk the
+before a step and `publish`es outputs after it (`eagle3_platform.store.storage.Mirror`). On local disk the
 working path *is* the stored object (no copies); for a bucket it is a cache under `work_dir`.
 """
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 from dagster import ConfigurableResource
 from pydantic import PrivateAttr
 
-from eagle3_platform import paths
-from eagle3_platform.storage import Mirror, Storage, default_local_root, storage_from_uri
+from eagle3_platform.store import paths
+from eagle3_platform.store.storage import Mirror, Storage, default_local_root, storage_from_uri
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 

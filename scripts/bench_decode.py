@@ -56,11 +56,11 @@ from eagle3_platform.compute import has_native_bf16, threads  # noqa: E402
 from eagle3_platform.data.chat import render_prompt  # noqa: E402
 from eagle3_platform.data.local_gen import common_prefix  # noqa: E402
 from eagle3_platform.draft.metrics import acceptance_length  # noqa: E402
-from eagle3_platform.records import write_json_atomic  # noqa: E402
 from eagle3_platform.spec.config import HEAD_WEIGHTS, PRESETS, SpecConfig, get_preset  # noqa: E402
 from eagle3_platform.spec.engine import SpecEngine  # noqa: E402
 from eagle3_platform.spec.eval import first_turn, load_prompts  # noqa: E402
 from eagle3_platform.spec.policy import DraftSizePolicy  # noqa: E402
+from eagle3_platform.store.records import write_json_atomic  # noqa: E402
 from eagle3_platform.target import load_target  # noqa: E402
 
 MTBENCH_PER_CATEGORY = 10  # MT-bench lists 8 categories x 10 questions in order

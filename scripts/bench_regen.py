@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from eagle3_platform.compute import resolve_dtype  # noqa: E402
 from eagle3_platform.data.regenerate import PRESETS, regenerate_file  # noqa: E402
 from eagle3_platform.data.sources import iter_workload  # noqa: E402
-from eagle3_platform.paths import cache_root  # noqa: E402
-from eagle3_platform.records import write_jsonl_atomic  # noqa: E402
+from eagle3_platform.store.paths import cache_root  # noqa: E402
+from eagle3_platform.store.records import write_jsonl_atomic  # noqa: E402
 from eagle3_platform.target import SMOLLM2, prepare_target  # noqa: E402
 
 

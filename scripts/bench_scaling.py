@@ -36,7 +36,7 @@ from safetensors import safe_open  # noqa: E402
 
 from eagle3_platform.features.shards import IDS_KEY, ShardDataset, read_header, read_manifest, shard_name, \
     write_manifest, write_shard  # noqa: E402
-from eagle3_platform.records import WORKLOADS, read_jsonl, write_json_atomic, write_jsonl_atomic  # noqa: E402
+from eagle3_platform.store.records import WORKLOADS, read_jsonl, write_json_atomic, write_jsonl_atomic  # noqa: E402
 
 
 def sample_table(dirs: list[Path]) -> list[list[tuple[Path, int, int]]]:

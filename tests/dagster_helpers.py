@@ -25,7 +25,7 @@ def meta(result, name) -> dict:
 
 def check_prompts_and_responses(storage, result, workload: str) -> None:
     """The invariants of the first two partitioned assets, read back through the storage resource."""
-    from eagle3_platform.records import ConversationRecord, PromptRecord, read_jsonl
+    from eagle3_platform.store.records import ConversationRecord, PromptRecord, read_jsonl
 
     fp = meta(result, "filtered_prompts")
     assert fp["kept"] + fp["rejected"] == fp["read"] > 0

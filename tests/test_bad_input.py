@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from eagle3_platform.cli import main
-from eagle3_platform.records import read_jsonl
+from eagle3_platform.store.records import read_jsonl
 from eagle3_platform.target import META_FILE
 
 
@@ -327,7 +327,7 @@ def test_fuzz_malformed_lines_through_filter_and_regenerate(tiny_target_dir, tmp
 
 
 def test_dropping_rows_keeps_the_other_lines_as_written_and_cuts_a_torn_tail(tmp_path):
-    from eagle3_platform.records import drop_jsonl_rows
+    from eagle3_platform.store.records import drop_jsonl_rows
 
     path = tmp_path / "out.jsonl"
     lines = [b'{"id":"a","n":1}\n', b'{"id": "b", "n": 2}\n', b'{"id":"c","n":3}\n']

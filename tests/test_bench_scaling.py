@@ -62,7 +62,7 @@ def test_teacher_forced_records_extract_and_account(tiny_target_dir, tmp_path, c
 
     from eagle3_platform.data.chat import render
     from eagle3_platform.features.extract import FeatureConfig, extract_file
-    from eagle3_platform.records import Message, PromptRecord, read_jsonl, write_jsonl_atomic
+    from eagle3_platform.store.records import Message, PromptRecord, read_jsonl, write_jsonl_atomic
     from transformers import AutoTokenizer
 
     prompts = [PromptRecord(id=f"p{i}", workload="chat", source="test", license="MIT",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_platform.records import Message, PromptRecord, write_jsonl_atomic
+from eagle3_platform.store.records import Message, PromptRecord, write_jsonl_atomic
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 

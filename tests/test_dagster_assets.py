@@ -237,7 +237,7 @@ def test_staging_output_made_with_other_settings_is_replaced_not_refused(tmp_pat
     from assets.partitions import Keys
     from eagle3_platform.config import preset
     from eagle3_platform.data.regenerate import regenerate_file
-    from eagle3_platform.records import read_jsonl, sha256_file
+    from eagle3_platform.store.records import read_jsonl, sha256_file
 
     storage = StorageResource(root=str(tmp_path))
     res = tiny_resources(storage, tiny_target_dir)
@@ -265,7 +265,7 @@ def test_a_raised_regeneration_budget_continues_the_published_responses_and_a_fo
     from assets.partitions import Keys
     from assets.responses import REBUILD_TAG
     from dagster_helpers import GRAPH
-    from eagle3_platform.records import read_jsonl
+    from eagle3_platform.store.records import read_jsonl
     from resources import PresetResource
 
     storage = StorageResource(root=str(tmp_path))
@@ -313,7 +313,7 @@ def test_more_prompts_per_workload_keep_the_published_answers_and_ask_only_the_n
     from assets.partitions import Keys
     from assets.responses import REBUILD_TAG
     from dagster_helpers import GRAPH
-    from eagle3_platform.records import read_jsonl
+    from eagle3_platform.store.records import read_jsonl
     from resources import PresetResource
 
     storage = StorageResource(root=str(tmp_path))
@@ -369,7 +369,7 @@ def test_a_head_on_grown_data_starts_from_the_published_head(tmp_path, tiny_targ
     from assets.partitions import Keys
     from dagster_helpers import GRAPH
     from eagle3_platform.draft.train import PRESETS
-    from eagle3_platform.records import sha256_file
+    from eagle3_platform.store.records import sha256_file
     from resources import PresetResource
 
     storage = StorageResource(root=str(tmp_path))

@@ -10,7 +10,7 @@ import torch
 from eagle3_platform.features import shards as sh
 from eagle3_platform.features.shards import (ShardDataset, ShardError, read_header, read_manifest,
                                              shard_name, verify_shards, write_manifest, write_shard)
-from eagle3_platform.records import sha256_file
+from eagle3_platform.store.records import sha256_file
 
 H = 4
 META = dict(target_id="t", weights_hash="w" * 8, capture_layer_ids=[1, 2, 5], template_hash="th",
@@ -197,8 +197,8 @@ from dataclasses import replace
 
 from eagle3_platform.features.capture import forward_capture
 from eagle3_platform.features.extract import PRESETS, extract_file, target_header
-from eagle3_platform.records import ConversationRecord, read_jsonl, write_jsonl_atomic
-from eagle3_platform.storage import LocalStorage
+from eagle3_platform.store.records import ConversationRecord, read_jsonl, write_jsonl_atomic
+from eagle3_platform.store.storage import LocalStorage
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = PRESETS["tiny"]

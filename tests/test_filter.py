@@ -8,7 +8,7 @@ import pytest
 
 from eagle3_platform.data.filter import PRESETS, content_key, filter_file, filter_records
 from eagle3_platform.data.pii import get_scanner
-from eagle3_platform.records import Message, read_jsonl, stable_id
+from eagle3_platform.store.records import Message, read_jsonl, stable_id
 
 CFG = PRESETS["tiny"]
 EMAIL = "jane.doe@example.com"

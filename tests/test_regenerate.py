@@ -18,7 +18,7 @@ import torch
 from eagle3_platform.data.chat import render, render_prompt, template_hash
 from eagle3_platform.data.local_gen import Sampling, common_prefix, generate_batch
 from eagle3_platform.data.regenerate import PRESETS, regenerate_file
-from eagle3_platform.records import ConversationRecord, Rejection, read_jsonl
+from eagle3_platform.store.records import ConversationRecord, Rejection, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = replace(PRESETS["tiny"], max_new_tokens=8, progress_every_s=60.0)
@@ -743,7 +743,7 @@ def test_a_closed_stream_ends_its_rows_where_they_are_and_leaves_the_queue_to_th
 
 def test_plan_windows_are_random_draws_in_length_order_when_a_budget_may_cut_them():
     from eagle3_platform.data.regenerate import Convo, plan_windows
-    from eagle3_platform.records import prompt_from_row
+    from eagle3_platform.store.records import prompt_from_row
 
     convos = [Convo(prompt_from_row(prompt_record(i, ["x" * (i + 1)])), []) for i in range(40)]
     length = lambda c: len(c.rec.messages[0].content)  # noqa: E731

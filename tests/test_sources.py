@@ -12,7 +12,7 @@ from eagle3_platform.data.sources.decontam import decontam_key, normalise
 from eagle3_platform.data.sources.pkg import (HUMANEVAL_FILE, MTBENCH_FILE, fit_paragraphs, package_dir,
                                               package_file)
 from eagle3_platform.data.sources.sharegpt import iter_json_array, kept_turns, looks_like_code, route
-from eagle3_platform.records import WORKLOADS, read_jsonl
+from eagle3_platform.store.records import WORKLOADS, read_jsonl
 
 FEW = 6
 

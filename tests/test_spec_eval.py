@@ -7,7 +7,7 @@ import json
 import pytest
 
 from eagle3_platform import cli
-from eagle3_platform.records import Message, PromptRecord, write_jsonl_atomic
+from eagle3_platform.store.records import Message, PromptRecord, write_jsonl_atomic
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from eagle3_platform.draft.metrics import acceptance_length
-from eagle3_platform.records import atomic_write
+from eagle3_platform.store.records import atomic_write
 
 ALL = "all"
 PLOTS = {

@@ -24,7 +24,7 @@ import httpx
 
 from eagle3_platform.bench.metrics import aggregate, hist_between, tau_between, wall_time
 from eagle3_platform.bench.prompts import prompt_messages
-from eagle3_platform.records import read_jsonl, write_jsonl_atomic
+from eagle3_platform.store.records import read_jsonl, write_jsonl_atomic
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 ALL = "all"

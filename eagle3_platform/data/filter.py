@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Iterable
 
 from eagle3_platform.data.pii import Finding, PiiScanner, get_scanner, severity
-from eagle3_platform.records import (BadRecord, Message, PromptRecord, Rejection, ignored_summary, line_rejection,
+from eagle3_platform.store.records import (BadRecord, Message, PromptRecord, Rejection, ignored_summary, line_rejection,
                                      parse_line, prompt_from_row, read_lines, top_reasons, unknown_keys,
                                      usable_id, write_jsonl_atomic)
 
@@ -270,7 +270,7 @@ def filter_file(in_path: str | Path, kept_path: str | Path, rejected_path: str |
                 scanner: PiiScanner | None = None, cfg: FilterConfig = PRESETS["demo"]) -> dict:
     """JSONL prompt records -> kept JSONL + rejections JSONL (both written atomically). Returns summary.
     Nothing kept is a failed stage (ValueError after both files are written, so the reasons can be read)."""
-    from eagle3_platform.cli_args import distinct_paths
+    from eagle3_platform.store.checks import distinct_paths
 
     in_path = Path(in_path)
     if not in_path.is_file():

@@ -46,7 +46,7 @@ from typing import Callable
 
 from eagle3_platform.data.chat import BoundaryError, encode, eos_token_ids, render, render_prompt, template_hash
 from eagle3_platform.data.endpoint import ChatClient, EndpointRequestError, served_model
-from eagle3_platform.records import (BadRecord, ConversationRecord, JsonlAppender, PromptRecord, Rejection,
+from eagle3_platform.store.records import (BadRecord, ConversationRecord, JsonlAppender, PromptRecord, Rejection,
                                      atomic_write, drop_jsonl_rows, ignored_summary, line_rejection, parse_line,
                                      prompt_from_row, read_jsonl, read_lines, top_reasons, unknown_keys,
                                      usable_id, write_json_atomic, write_jsonl_atomic)
@@ -435,8 +435,8 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
     Returns the summary: read, written, rejected, by_reason, resumed, new_tokens, tok_per_s, ...
     Nothing written (every record rejected, or an empty input) is a failed stage: ValueError.
     """
-    from eagle3_platform.cli_args import distinct_paths
     from eagle3_platform.compute import int4_matmul_rows, resolve_dtype
+    from eagle3_platform.store.checks import distinct_paths
     from eagle3_platform.target import read_meta
 
     cfg = resolve_config(cfg)

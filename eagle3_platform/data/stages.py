@@ -10,8 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from eagle3_platform.cli_args import distinct_paths, output_file
 from eagle3_platform.stage import ComputeRequest, PresetRequest, optional_count
+from eagle3_platform.store.checks import distinct_paths, output_file
 
 
 

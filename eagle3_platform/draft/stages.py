@@ -5,8 +5,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from eagle3_platform.cli_args import output_dir, output_file
 from eagle3_platform.stage import ComputeRequest, PresetRequest, StageRequest, optional_count
+from eagle3_platform.store.checks import output_dir, output_file
 
 
 class VocabRequest(PresetRequest):

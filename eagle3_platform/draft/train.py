@@ -37,8 +37,8 @@ from eagle3_platform.draft.model import DRAFT_CONFIG, DRAFT_WEIGHTS, DraftConfig
 from eagle3_platform.draft.ttt import TargetTop1, TTTLoss, batch_targets, collate, real_positions, step_masks
 from eagle3_platform.draft.vocab import load_vocab, save_vocab, vocab_from_features
 from eagle3_platform.draft.warm_start import warm_start
-from eagle3_platform.records import atomic_write, write_json_atomic
 from eagle3_platform.spec.answer_ngrams import ANSWER_LEAD, AnswerNgrams
+from eagle3_platform.store.records import atomic_write, write_json_atomic
 
 METRICS, VOCAB, ANSWERS = "metrics.json", "vocab.safetensors", "answer_ngrams.safetensors"
 CKPT = "checkpoint"

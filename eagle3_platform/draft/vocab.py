@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from eagle3_platform.records import atomic_write, write_json_atomic
+from eagle3_platform.store.records import atomic_write, write_json_atomic
 
 
 def count_response_tokens(feature_dirs: Sequence[str | Path], vocab_size: int,

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from eagle3_platform.draft.model import DRAFT_WEIGHTS, DraftConfig, Eagle3Draft, read_draft_dir
-from eagle3_platform.records import sha256_file
+from eagle3_platform.store.records import sha256_file
 
 VOCAB_KEYS = ("lm_head.weight", "d2t", "t2d")  # matched by token id, not copied
 

@@ -29,9 +29,9 @@ from eagle3_platform.features.capture import forward_capture
 from eagle3_platform.features.shards import (MANIFEST, ShardError, check_shard, read_header,
                                              read_manifest, rows_from_shards, shard_name,
                                              write_manifest, write_shard)
-from eagle3_platform.records import (ConversationRecord, Rejection, remove_stale_tmp, top_reasons,
+from eagle3_platform.store.records import (ConversationRecord, Rejection, remove_stale_tmp, top_reasons,
                                      write_jsonl_atomic)
-from eagle3_platform.storage import Mirror, Storage, storage_from_uri
+from eagle3_platform.store.storage import Mirror, Storage, storage_from_uri
 from eagle3_platform.target import Target, load_target
 
 REJECTED = "rejected.jsonl"

@@ -23,7 +23,7 @@ import polars as pl
 import torch
 from safetensors import safe_open
 
-from eagle3_platform.records import atomic_write, sha256_file
+from eagle3_platform.store.records import atomic_write, sha256_file
 
 FORMAT_VERSION = "2"  # 2: compute_dtype (the dtype the target ran in) joined the header
 MANIFEST = "manifest.parquet"

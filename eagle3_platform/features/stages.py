@@ -1,8 +1,8 @@
 """The extract stage behind one seam (eagle3_platform.stage): conversations → feature shards."""
 from __future__ import annotations
 
-from eagle3_platform.cli_args import output_dir
 from eagle3_platform.stage import ComputeRequest, optional_count
+from eagle3_platform.store.checks import output_dir
 
 
 class ExtractRequest(ComputeRequest):

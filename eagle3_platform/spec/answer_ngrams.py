@@ -30,7 +30,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eagle3_platform.records import atomic_write
+from eagle3_platform.store.records import atomic_write
 
 MAX_NGRAM = 4       # the longest context the table keeps
 MIN_SHARE = 0.5     # a token is drafted only if it followed at least this share of its context's occurrences

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eagle3_platform.cli_args import output_file, require_positive
-from eagle3_platform.records import write_json_atomic
+from eagle3_platform.cli_args import require_positive
 from eagle3_platform.spec.config import PRESETS, get_preset
+from eagle3_platform.store.checks import output_file
+from eagle3_platform.store.records import write_json_atomic
 
 
 def add_commands(sub) -> None:

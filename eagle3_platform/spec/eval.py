@@ -14,9 +14,9 @@ from collections import defaultdict
 from pathlib import Path
 
 from eagle3_platform.draft.metrics import acceptance_length
-from eagle3_platform.records import PromptRecord, read_jsonl
 from eagle3_platform.spec.config import PRESETS, SpecConfig
 from eagle3_platform.spec.engine import SpecEngine
+from eagle3_platform.store.records import PromptRecord, read_jsonl
 
 
 def first_turn(record: PromptRecord) -> list[dict]:

@@ -15,8 +15,8 @@ import unicodedata
 from pathlib import Path
 from typing import Callable
 
-from eagle3_platform.paths import cache_root
-from eagle3_platform.records import sha256_file, write_json_atomic
+from eagle3_platform.store.paths import cache_root
+from eagle3_platform.store.records import sha256_file, write_json_atomic
 
 
 @functools.cache

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Iterator
 
 from eagle3_platform.data.sources.pkg import Item
-from eagle3_platform.records import BadRecord, parse_line
+from eagle3_platform.store.records import BadRecord, parse_line
 
 EXTRA_ENV = "EAGLE3_EXTRA_SOURCES"
 EXTRA_LICENSE = "user-supplied"

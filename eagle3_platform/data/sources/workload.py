@@ -30,11 +30,11 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from eagle3_platform.data.sources import pkg
+from eagle3_platform.data.sources.decontam import cached_eval_keys, decontam_key, file_sha256, normalise
 from eagle3_platform.data.sources.extra import (EXTRA_LICENSE, EXTRA_PREFIX, extra_files, extra_source,
                                                 iter_extra_file, resolve_extra_dir)
-from eagle3_platform.data.sources.decontam import cached_eval_keys, decontam_key, file_sha256, normalise
 from eagle3_platform.data.sources.sharegpt import SHAREGPT_LICENSE, SHAREGPT_SOURCE, sharegpt_items
-from eagle3_platform.records import WORKLOADS, Message, PromptRecord, stable_id, write_jsonl_atomic
+from eagle3_platform.store.records import WORKLOADS, Message, PromptRecord, stable_id, write_jsonl_atomic
 
 # Bump when readers, routing, prompt phrasing or the split change: it is part of every fingerprint,
 # so a code change re-materializes the partitions just like a data change does.

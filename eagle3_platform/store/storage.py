@@ -13,8 +13,8 @@ import shutil
 from abc import ABC, abstractmethod
 from pathlib import Path
 
-from eagle3_platform.paths import scratch_dir, work_dir
-from eagle3_platform.records import atomic_write
+from eagle3_platform.store.paths import scratch_dir, work_dir
+from eagle3_platform.store.records import atomic_write
 
 
 class Storage(ABC):
