@@ -64,7 +64,7 @@ def link_or_copy(src: Path, dst: Path) -> None:
 
 def expect_header(target: TargetResource) -> dict:
     """The shard header fields that tie features to one target."""
-    from eagle3_platform.target import identity
+    from eagle3_platform.model.target import identity
 
     return identity(target.dir())
 

@@ -4,7 +4,7 @@ when its code or its settings change (and `eagle3 run` rebuilds exactly those).
 The code is derived from the source, not listed: the project's definitions the asset can run, from
 its own function through every import, lazy ones included (assets/closure.py). The settings are the
 resolved values it reads: the preset's area configs (AREAS), the target, and for an asset that runs
-a model (eagle3_platform/compute.py among its code) the compute overrides and what `auto` resolves
+a model (eagle3_platform/model/compute.py among its code) the compute overrides and what `auto` resolves
 to on this machine.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 from assets.closure import project
 
 ROOT = Path(__file__).resolve().parents[1]
-COMPUTE = "eagle3_platform/compute.py"  # among an asset's code: the asset runs a model
+COMPUTE = "eagle3_platform/model/compute.py"  # among an asset's code: the asset runs a model
 
 # asset -> the preset areas whose settings it reads
 AREAS: dict[str, tuple[str, ...]] = {
@@ -53,9 +53,9 @@ def runs_model(asset: str, root: Path = ROOT) -> bool:
 
 
 def machine_compute() -> dict:
-    """What `auto` resolves to on this machine (eagle3_platform.compute's own resolvers): the device,
+    """What `auto` resolves to on this machine (eagle3_platform.model.compute's own resolvers): the device,
     and the dtype of each kind of work (decode: serving, regeneration; dense: extraction, training)."""
-    from eagle3_platform import compute
+    from eagle3_platform.model import compute
 
     device = compute.resolve_device("auto")
     return {"device": device, **{work: compute.resolve_dtype("auto", device, work) for work in compute.WORK}}

@@ -33,8 +33,8 @@ def add_prepare_target(sub) -> None:
 
 
 def prepare_target(a) -> dict:
+    from eagle3_platform.model.target import prepare_target
     from eagle3_platform.store.checks import output_dir
-    from eagle3_platform.target import prepare_target
 
     output_dir(a.out)
     return {"out": a.out, **prepare_target(a.model, a.out)}

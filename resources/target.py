@@ -19,7 +19,7 @@ class TargetResource(ConfigurableResource):
 
     def dir(self) -> Path:
         """The prepared target directory (prepared on first use; cached afterwards)."""
-        from eagle3_platform.target import cache_root, prepare_target
+        from eagle3_platform.model.target import cache_root, prepare_target
 
         if self.prepared_dir:
             out = Path(self.prepared_dir)
@@ -30,7 +30,7 @@ class TargetResource(ConfigurableResource):
         return out
 
     def meta(self) -> dict:
-        from eagle3_platform.target import read_meta
+        from eagle3_platform.model.target import read_meta
 
         return read_meta(self.dir())
 

@@ -29,13 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from bench_decode import mtbench_prompts  # noqa: E402
 
-from eagle3_platform.compute import threads  # noqa: E402
 from eagle3_platform.data.chat import render_prompt  # noqa: E402
+from eagle3_platform.model.compute import threads  # noqa: E402
+from eagle3_platform.model.target import load_target  # noqa: E402
 from eagle3_platform.spec.config import get_preset  # noqa: E402
 from eagle3_platform.spec.engine import SpecEngine  # noqa: E402
 from eagle3_platform.spec.eval import first_turn  # noqa: E402
 from eagle3_platform.spec.policy import DraftSizePolicy, policy_step  # noqa: E402
-from eagle3_platform.target import load_target  # noqa: E402
 
 
 def run_engine(engine, prompts, max_new, draft_size=None, policy=None):

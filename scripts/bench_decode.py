@@ -52,16 +52,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from eagle3_platform.compute import has_native_bf16, threads  # noqa: E402
 from eagle3_platform.data.chat import render_prompt  # noqa: E402
 from eagle3_platform.data.local_gen import common_prefix  # noqa: E402
 from eagle3_platform.draft.metrics import acceptance_length  # noqa: E402
+from eagle3_platform.model.compute import has_native_bf16, threads  # noqa: E402
+from eagle3_platform.model.target import load_target  # noqa: E402
 from eagle3_platform.spec.config import HEAD_WEIGHTS, PRESETS, SpecConfig, get_preset  # noqa: E402
 from eagle3_platform.spec.engine import SpecEngine  # noqa: E402
 from eagle3_platform.spec.eval import first_turn, load_prompts  # noqa: E402
 from eagle3_platform.spec.policy import DraftSizePolicy  # noqa: E402
 from eagle3_platform.store.records import write_json_atomic  # noqa: E402
-from eagle3_platform.target import load_target  # noqa: E402
 
 MTBENCH_PER_CATEGORY = 10  # MT-bench lists 8 categories x 10 questions in order
 
@@ -207,7 +207,7 @@ def bench(methods: dict, prompts: list[list[int]], args, target) -> dict:
 def plain_choices(target, prompt: list[int], tokens: list[int]) -> list[int]:
     """Plain greedy decoding's choice at every position of `tokens`, each given the same prefix
     (`tokens` teacher-forced one 1-token decode step at a time, as plain decoding runs)."""
-    from eagle3_platform.kv_cache import GrowingCache
+    from eagle3_platform.model.kv_cache import GrowingCache
 
     cache, model = GrowingCache(), target.model
     logits = model(input_ids=torch.tensor([prompt]), past_key_values=cache).logits[0, -1]

@@ -28,8 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3_platform.features.extract import PRESETS, extract_file, load_records, target_header  # noqa: E402
+from eagle3_platform.model.target import load_target  # noqa: E402
 from eagle3_platform.store.records import ConversationRecord, write_jsonl_atomic  # noqa: E402
-from eagle3_platform.target import load_target  # noqa: E402
 
 TOPICS = ["sorting algorithms", "the French revolution", "photosynthesis", "compound interest",
           "binary search trees", "the water cycle", "HTTP caching", "prime numbers"]

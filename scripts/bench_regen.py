@@ -1,7 +1,7 @@
 """Regeneration throughput through `regenerate_file`: a preset's path vs a reference path.
 
 Reference `turn1_demo_path` (default): fp32, batches of 8, 1 torch thread, torch's row-major linear
-kernels (the path without packed_linear.py; its decode steps, like every path's, go through the engine's
+kernels (the path without model/packed_linear.py; its decode steps, like every path's, go through the engine's
 step forward, which makes it ~4% faster than transformers': the ratio errs low); the preset's path is
 its dtype (auto = bf16 where the CPU has it), length-planned batches and its thread count. With
 `--reference no_cache_reuse`: the preset's path with every turn re-prefilling its history (multi-turn
@@ -32,12 +32,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TLDEXTRACT_PUBLIC_SUFFIX_LIST_URLS", "")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from eagle3_platform.compute import resolve_dtype  # noqa: E402
 from eagle3_platform.data.regenerate import PRESETS, regenerate_file  # noqa: E402
 from eagle3_platform.data.sources import iter_workload  # noqa: E402
+from eagle3_platform.model.compute import resolve_dtype  # noqa: E402
+from eagle3_platform.model.target import SMOLLM2, prepare_target  # noqa: E402
 from eagle3_platform.store.paths import cache_root  # noqa: E402
 from eagle3_platform.store.records import write_jsonl_atomic  # noqa: E402
-from eagle3_platform.target import SMOLLM2, prepare_target  # noqa: E402
 
 
 def write_prompts(path: Path, n: int, workload: str) -> None:

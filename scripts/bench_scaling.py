@@ -221,8 +221,8 @@ def main(argv=None) -> int:
                          "not counted in the point's response tokens")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
-    from eagle3_platform.compute import set_threads
-    from eagle3_platform.target import load_target
+    from eagle3_platform.model.compute import set_threads
+    from eagle3_platform.model.target import load_target
 
     set_threads(0)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -33,11 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from bench_batch import agreement  # noqa: E402
 from bench_decode import load_prompt_ids  # noqa: E402
 
+from eagle3_platform.model.target import load_target  # noqa: E402
 from eagle3_platform.serve.worker import EngineWorker, Job  # noqa: E402
 from eagle3_platform.spec.config import get_preset  # noqa: E402
 from eagle3_platform.spec.engine import SpecEngine  # noqa: E402
 from eagle3_platform.spec.policy import DraftSizePolicy  # noqa: E402
-from eagle3_platform.target import load_target  # noqa: E402
 
 MAX_QUEUE, MAX_BATCH, PREFILL_CHUNK = 64, 16, 256  # the cpu serve preset's
 

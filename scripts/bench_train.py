@@ -28,10 +28,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle3_platform.compute import autocast, resolve_dtype, resolve_threads  # noqa: E402
 from eagle3_platform.draft.model import DraftConfig, Eagle3Draft  # noqa: E402
 from eagle3_platform.draft.ttt import (TTTLoss, naive_ttt_attention, shift_left, step_masks,  # noqa: E402
                                        teacher, ttt_attention)
+from eagle3_platform.model.compute import autocast, resolve_dtype, resolve_threads  # noqa: E402
 
 # SmolLM2-135M-Instruct geometry (docs/ARCHITECTURE.md §7); the head's shapes follow the target's.
 SMOLLM2 = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,

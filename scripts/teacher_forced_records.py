@@ -35,8 +35,8 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     from eagle3_platform.data.chat import render, template_hash
+    from eagle3_platform.model.target import read_meta
     from eagle3_platform.store.records import ConversationRecord, PromptRecord, read_jsonl, write_jsonl_atomic
-    from eagle3_platform.target import read_meta
 
     tok = AutoTokenizer.from_pretrained(args.target)
     target_id = read_meta(args.target)["target_id"]

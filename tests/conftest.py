@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory) -> Path:
     """A prepared tiny-random target (tiny Llama + small ChatML tokenizer), built once per session."""
-    from eagle3_platform.target import TINY, prepare_target
+    from eagle3_platform.model.target import TINY, prepare_target
 
     cache = tmp_path_factory.mktemp("eagle3_cache")
     old = os.environ.get("EAGLE3_CACHE")
@@ -37,7 +37,7 @@ def tiny_target_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_target(tiny_target_dir):
-    from eagle3_platform.target import load_target
+    from eagle3_platform.model.target import load_target
 
     return load_target(tiny_target_dir)
 
@@ -50,7 +50,7 @@ def random_head_export(tiny_target_dir, tmp_path_factory) -> Path:
     from eagle3_platform.draft.export import export_draft
     from eagle3_platform.draft.model import DraftConfig, build_draft, target_hf_config
     from eagle3_platform.draft.train import save_draft_dir
-    from eagle3_platform.target import read_meta
+    from eagle3_platform.model.target import read_meta
 
     torch.manual_seed(0)
     cfg = DraftConfig.from_target(target_hf_config(tiny_target_dir), 64,
@@ -64,7 +64,7 @@ def random_head_export(tiny_target_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory) -> Path:
     """The real embedded target (e2e tier only). Conversion is cached under ~/.cache/eagle3."""
-    from eagle3_platform.target import SMOLLM2, prepare_target, smollm2_gguf_path
+    from eagle3_platform.model.target import SMOLLM2, prepare_target, smollm2_gguf_path
 
     try:
         smollm2_gguf_path()

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from eagle3_platform.cli import main
+from eagle3_platform.model.target import META_FILE
 from eagle3_platform.store.records import read_jsonl
-from eagle3_platform.target import META_FILE
 
 
 def rec(i: int | str, *users: str, **extra) -> dict:

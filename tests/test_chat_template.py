@@ -11,7 +11,7 @@ import pytest
 
 from eagle3_platform.data.chat import (BoundaryError, TemplateError, end_of_turn, eos_token_ids, render,
                                        render_prompt, template_hash, tokenizer_hash)
-from eagle3_platform.target import tiny_tokenizer
+from eagle3_platform.model.target import tiny_tokenizer
 
 SMOLLM2_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from eagle3_platform import compute
-from eagle3_platform.target import load_target
+from eagle3_platform.model import compute
+from eagle3_platform.model.target import load_target
 
 
 @pytest.fixture
@@ -188,8 +188,8 @@ def test_target_loads_in_the_resolved_dtype_and_records_it(cpu_with, tiny_target
     assert t.meta["rowmajor_rows"] == 3  # the probe's answer (mocked), kept beside the packed weights
     down = t.model.model.layers[0].mlp.down_proj.weight_packed
     assert down.narrow_rows == 3 and down.rowmajor.dtype is want
-    from eagle3_platform.spec.engine import SpecEngine
     from eagle3_platform.spec.config import PRESETS
+    from eagle3_platform.spec.engine import SpecEngine
     assert SpecEngine(t, None, PRESETS["baseline"]).batch().cache.kv_dtype is torch.float32
 
 

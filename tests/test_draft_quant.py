@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from eagle3_platform.draft.quant import INT8_MAX_ROWS, Int8Linear, int4_head, int8_head, packed_head
-from eagle3_platform.int4_weights import int4_available
-from eagle3_platform.packed_linear import FusedProjection, PackedLinear, int4_weight_count, packing_available
+from eagle3_platform.model.int4_weights import int4_available
+from eagle3_platform.model.packed_linear import FusedProjection, PackedLinear, int4_weight_count, packing_available
 from eagle3_platform.spec.config import PRESETS, SpecConfig
 from eagle3_platform.spec.engine import SpecEngine
 from eagle3_platform.testing.spec import VariedTargetConfig, random_draft, varied_target

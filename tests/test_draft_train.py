@@ -14,10 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3_platform.testing.synthetic import target_features
 from eagle3_platform.draft import train as train_mod
 from eagle3_platform.draft.train import (PRESETS, TrainConfig, batch_plan, epoch_batches, lr_at, noisy_features,
                                         train, trainable_lengths)
+from eagle3_platform.testing.synthetic import target_features
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -310,7 +310,7 @@ def test_a_warm_start_keeps_the_trained_weights_and_moves_lm_head_rows_with_thei
     from eagle3_platform.draft.model import DraftConfig, build_draft, target_hf_config
     from eagle3_platform.draft.vocab import check_vocab, load_vocab, save_vocab
     from eagle3_platform.draft.warm_start import warm_start
-    from eagle3_platform.target import identity
+    from eagle3_platform.model.target import identity
 
     cfg = replace(PRESETS["tiny"], epochs=1, num_threads=1)
     first = tmp_path / "first"

@@ -281,7 +281,7 @@ def test_padded_batches_match_one_at_a_time(tiny_target, tiny_target_dir, tmp_pa
 def test_auto_extraction_runs_the_target_in_the_dtype_dense_work_pays_for(tiny_target, tiny_target_dir,
                                                                            tmp_path, monkeypatch,
                                                                            speedup, want):
-    from eagle3_platform import compute
+    from eagle3_platform.model import compute
 
     monkeypatch.setattr(compute, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
     monkeypatch.setattr(compute, "dense_bf16_speedup", lambda: speedup)
@@ -435,7 +435,7 @@ def test_cli_verify_features_names_bad_shard(tmp_path, capsys):
 
 @pytest.mark.e2e
 def test_extract_smollm2_bytes_per_token(smollm2_dir, tmp_path):
-    from eagle3_platform.target import load_target
+    from eagle3_platform.model.target import load_target
 
     target = load_target(smollm2_dir)
     conv = _write_conv(tmp_path / "conv.jsonl", _conversations(target, 3))

@@ -78,7 +78,7 @@ def test_assistant_turns_stripped_and_counted(scanner):
 
 
 def test_too_long_uses_the_chat_template():
-    from eagle3_platform.target import tiny_tokenizer
+    from eagle3_platform.model.target import tiny_tokenizer
 
     tok = tiny_tokenizer()
     short, long_ = rec(1, user("Add 2 and 3.")), rec(2, user("Sort the numbers please. " * 40))

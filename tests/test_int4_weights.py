@@ -1,4 +1,4 @@
-"""Few-row matmuls on a 4-bit target's own codes (int4_weights.py) and where they are used."""
+"""Few-row matmuls on a 4-bit target's own codes (model/int4_weights.py) and where they are used."""
 import shutil
 
 import pytest
@@ -6,10 +6,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from eagle3_platform import compute
-from eagle3_platform.int4_weights import (GROUP, LEVELS, TWO_PLANE_ROWS, grid_codes, int4_available, int4_matmul,
+from eagle3_platform.model import compute
+from eagle3_platform.model.int4_weights import (GROUP, LEVELS, TWO_PLANE_ROWS, grid_codes, int4_available, int4_matmul,
                                           round_to_grid)
-from eagle3_platform.packed_linear import PackedLinear, fuse_siblings, int4_weight_count, packing_available
+from eagle3_platform.model.packed_linear import PackedLinear, fuse_siblings, int4_weight_count, packing_available
 
 pytestmark = pytest.mark.skipif(not (int4_available() and packing_available()),
                                 reason="torch without its int4 CPU kernel or oneDNN")
@@ -65,7 +65,7 @@ def test_a_q8_0_weight_is_two_planes_that_sum_to_it():
 
 
 def test_two_plane_weights_serve_fewer_rows_than_one_plane(monkeypatch):
-    import eagle3_platform.packed_linear as pl
+    import eagle3_platform.model.packed_linear as pl
 
     torch.manual_seed(0)
     lin = nn.Linear(64, 96, bias=False)
@@ -113,7 +113,7 @@ def test_weights_off_the_grid_or_of_other_shapes_get_no_codes(shape):
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_narrow_inputs_multiply_on_the_codes_and_wide_ones_on_the_packed_weight(monkeypatch, bias):
-    import eagle3_platform.packed_linear as pl
+    import eagle3_platform.model.packed_linear as pl
 
     torch.manual_seed(0)
     lin = nn.Linear(64, 96, bias=bias)
@@ -188,9 +188,9 @@ def test_target_on_a_grid_decodes_on_its_codes_under_auto(grid_target_dir, monke
     """load_target records how many weights hold codes and below how many rows they serve; a decode
     step's logits stay within bf16 rounding of the fp32 kernels', and greedy decoding on the codes
     agrees with fp32 greedy decoding (reported, not exact: another rounding)."""
+    from eagle3_platform.model.target import load_target
     from eagle3_platform.spec.config import PRESETS
     from eagle3_platform.spec.engine import SpecEngine
-    from eagle3_platform.target import load_target
 
     monkeypatch.setattr(compute, "cpu_flags", lambda: frozenset({"avx512f"}))
     monkeypatch.setattr(compute, "rowmajor_matmul_rows", lambda dtype: 3)
@@ -214,9 +214,9 @@ def test_target_on_a_grid_decodes_in_bf16_on_its_codes_taken_before_the_cast(gri
     rounds them off the grid): the model is the bf16 one (parameters bf16, RoPE's frequencies fp32),
     inputs of the probe's rows or more take its bf16 kernels (the same logits as a bf16 load), fewer
     take the codes (within bf16 rounding of fp32)."""
+    from eagle3_platform.model.target import load_target
     from eagle3_platform.spec.config import PRESETS
     from eagle3_platform.spec.engine import SpecEngine
-    from eagle3_platform.target import load_target
 
     monkeypatch.setattr(compute, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16"}))
     monkeypatch.setattr(compute, "dense_bf16_speedup", lambda: 4.0)
@@ -244,7 +244,7 @@ def test_target_on_a_grid_decodes_in_bf16_on_its_codes_taken_before_the_cast(gri
 
 
 def test_off_grid_target_records_no_codes(tiny_target_dir, monkeypatch):
-    from eagle3_platform.target import load_target
+    from eagle3_platform.model.target import load_target
 
     monkeypatch.setattr(compute, "cpu_flags", lambda: frozenset({"avx512f"}))
     monkeypatch.setattr(compute, "rowmajor_matmul_rows", lambda dtype: 3)
@@ -258,7 +258,7 @@ def test_smollm2_projections_and_tied_lm_head_lie_on_their_grids(smollm2_dir, mo
     """The embedded target as prepared: its 210 projections on Q4_1's grid (fused: 4 weights per
     layer) and its tied lm_head on Q8_0's (two planes), so under auto on an fp32 machine every weight
     a decode step reads has codes; one decode step's logits stay within bf16 rounding of fp32's."""
-    from eagle3_platform.target import load_target
+    from eagle3_platform.model.target import load_target
 
     monkeypatch.setattr(compute, "cpu_flags", lambda: frozenset({"avx512f"}))
     monkeypatch.setattr(compute, "rowmajor_matmul_rows", lambda dtype: 4)
@@ -280,7 +280,7 @@ def test_smollm2_in_bf16_generates_batched_on_its_codes(smollm2_dir, monkeypatch
     """The embedded target under auto where decode runs in bf16 (native bf16): codes below 5 rows, read
     off the fp32 checkpoint. Batched greedy generate (regeneration's path: the lm_head reads the last
     positions as a strided view) runs, and its first token is the bf16 model's."""
-    from eagle3_platform.target import load_target
+    from eagle3_platform.model.target import load_target
 
     monkeypatch.setattr(compute, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16"}))
     monkeypatch.setattr(compute, "dense_bf16_speedup", lambda: 4.0)

@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from eagle3_platform.attention import GROUPED_DECODE
-from eagle3_platform.kv_cache import GrowingCache
-from eagle3_platform.spec.ragged import RaggedCache
+from eagle3_platform.model.attention import GROUPED_DECODE
+from eagle3_platform.model.kv_cache import GrowingCache
+from eagle3_platform.model.ragged import RaggedCache
 from eagle3_platform.spec.tree import ancestor_matrix, depths
 
 
@@ -56,8 +56,8 @@ def test_growing_cache_and_grouped_decode_match_dynamic_cache_and_sdpa(model, wi
     cropped verify's keys and zeros), as long sequences do with the default in bf16 (here fp32 takes
     the widening too, SPAN_DTYPES emptied); None: fp32's own way, the rows' spans as given."""
     if widen_up_to is not None:
-        monkeypatch.setattr("eagle3_platform.attention.WIDEN_UP_TO", widen_up_to)
-        monkeypatch.setattr("eagle3_platform.attention.SPAN_DTYPES", ())
+        monkeypatch.setattr("eagle3_platform.model.attention.WIDEN_UP_TO", widen_up_to)
+        monkeypatch.setattr("eagle3_platform.model.attention.SPAN_DTYPES", ())
     want = decode(model, DynamicCache(), "sdpa")
     got = decode(model, GrowingCache(), GROUPED_DECODE)
     assert len(got) == len(want)
@@ -107,7 +107,7 @@ def test_grouped_attention_of_a_verify_forward_matches_sdpa(model, mask_kind):
 def test_grouped_mask_bias_is_shared_by_a_forwards_layers_and_follows_in_place_changes():
     """Every layer of one forward gets the same mask object: its additive form is built once; a mask
     changed in place (or another mask) is converted again, never served stale."""
-    from eagle3_platform.attention import _grouped_bias
+    from eagle3_platform.model.attention import _grouped_bias
 
     mask = torch.ones(1, 1, 2, 5, dtype=torch.bool)
     first = _grouped_bias(mask, 3, 5)
@@ -122,7 +122,7 @@ def test_grouped_mask_bias_is_shared_by_a_forwards_layers_and_follows_in_place_c
 
 def test_grouped_attention_takes_inference_mode_masks():
     """Batched extraction runs under torch.inference_mode, whose tensors have no version counter."""
-    from eagle3_platform.attention import grouped_attention
+    from eagle3_platform.model.attention import grouped_attention
 
     q, k = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 5, 8)
     allowed = torch.rand(2, 1, 3, 5) < 0.8
@@ -138,7 +138,7 @@ def test_grouped_attention_takes_inference_mode_masks():
 def test_grouped_attention_over_a_cache_view_matches_sdpa(dtype, q_len):
     """Keys that are a prefix view of a larger buffer (every cache here) take the row-major product
     (key @ qᵀ)ᵀ; it must equal sdpa over copied key heads, and the packed-key path."""
-    from eagle3_platform.attention import grouped_attention
+    from eagle3_platform.model.attention import grouped_attention
 
     B, H, kv, S, d = 3, 6, 2, 40, 16
     buf_k, buf_v = torch.randn(B, kv, S + 24, d, dtype=dtype), torch.randn(B, kv, S + 24, d, dtype=dtype)
@@ -162,7 +162,7 @@ def test_grouped_attention_over_an_fp32_cache_under_bf16_queries_runs_in_fp32(q_
     """A bf16 model over an fp32 cache (compute.kv_cache_dtype): the result is in the query's dtype and
     is fp32 attention over those (bf16-valued) keys, rounded once (tolerance: one bf16 rounding, as
     the fp32 sums may run in another order)."""
-    from eagle3_platform.attention import grouped_attention
+    from eagle3_platform.model.attention import grouped_attention
 
     B, H, kv, S, d = 3, 6, 2, 40, 16
     bf = torch.bfloat16
@@ -181,7 +181,7 @@ def test_grouped_attention_over_an_fp32_cache_under_bf16_queries_runs_in_fp32(q_
 
 def test_sdpa_fallback_takes_an_fp32_cache_under_a_bf16_query():
     """A maskless multi-token query (a prefill) goes to sdpa, which needs one dtype."""
-    from eagle3_platform.attention import grouped_decode_attention
+    from eagle3_platform.model.attention import grouped_decode_attention
 
     mod = torch.nn.Module()
     mod.is_causal = True
@@ -196,7 +196,7 @@ def test_sdpa_fallback_takes_an_fp32_cache_under_a_bf16_query():
 
 def _spy_attend(monkeypatch) -> list:
     """Record (slots, contiguous) of every key _attend gets."""
-    from eagle3_platform import attention
+    from eagle3_platform.model import attention
 
     seen, real = [], attention._attend
     monkeypatch.setattr(attention, "_attend", lambda q, k, v, b, s: seen.append((k.shape[-2], k.is_contiguous()))
@@ -211,9 +211,9 @@ def test_attention_reads_whole_cache_buffers_and_masks_their_spare_slots(q_len, 
     (contiguous: no copy inside bmm); the spare slots, here holding stale finite values, are masked
     out, so the output is the view's. Row groups: each group decides for itself. (The dtypes that
     widen: not SPAN_DTYPES, emptied here so fp32 shows it.)"""
-    from eagle3_platform.attention import cache_buffer, grouped_attention
+    from eagle3_platform.model.attention import cache_buffer, grouped_attention
 
-    monkeypatch.setattr("eagle3_platform.attention.SPAN_DTYPES", ())
+    monkeypatch.setattr("eagle3_platform.model.attention.SPAN_DTYPES", ())
 
     B, H, kv, C, d = 4, 6, 2, 48, 16
     buf_k, buf_v = cache_buffer(torch.empty(0), (B + 1, kv, C, d)), cache_buffer(torch.empty(0), (B + 1, kv, C, d))
@@ -249,7 +249,7 @@ def test_attention_reads_whole_cache_buffers_and_masks_their_spare_slots(q_len, 
 def test_an_fp32_cache_is_attended_over_its_spans_as_given(q_len, monkeypatch):
     """SPAN_DTYPES (fp32): rows attend over their spans of the cache_buffer, never the whole buffer,
     with or without a mask; each row group over its own span; the output is the contiguous copy's."""
-    from eagle3_platform.attention import cache_buffer, grouped_attention
+    from eagle3_platform.model.attention import cache_buffer, grouped_attention
 
     B, H, kv, C, d, S = 3, 6, 2, 48, 16, 40
     buf_k, buf_v = cache_buffer(torch.empty(0), (B, kv, C, d)), cache_buffer(torch.empty(0), (B, kv, C, d))
@@ -274,8 +274,8 @@ def test_left_padded_rows_attend_over_their_own_last_slots(widen, monkeypatch):
     """Regeneration's rows are right-aligned under left padding: a group's range [lo, S) skips the
     slots that are padding in all its rows, and the output is the whole width's (padding masked).
     A range not from slot 0 is never widened to the rows' buffers (widen: the widening dtypes)."""
-    from eagle3_platform import attention
-    from eagle3_platform.attention import cache_buffer, grouped_attention
+    from eagle3_platform.model import attention
+    from eagle3_platform.model.attention import cache_buffer, grouped_attention
 
     if widen:
         monkeypatch.setattr(attention, "SPAN_DTYPES", ())
@@ -300,7 +300,7 @@ def test_fp32_attention_with_a_shared_bias_takes_the_flat_path_and_matches_sdpa(
     """Over an fp32 cache, no bias or one bias for every row (a request alone, its verify tree, the
     head's drafting) goes through _attend_flat (3D products, scale and bias in the first); a bias per
     row keeps the 4D path. Both equal sdpa over copied key heads."""
-    from eagle3_platform import attention
+    from eagle3_platform.model import attention
 
     H, kv, S, d = 6, 2, 40, 16
     g = torch.Generator().manual_seed(rows * 10 + q_len)
@@ -324,7 +324,7 @@ def test_fp32_attention_with_a_shared_bias_takes_the_flat_path_and_matches_sdpa(
 def test_attention_never_reads_past_a_view_of_other_tensors(monkeypatch):
     """Only cache_buffer()s are known to hold finite spare slots: a view of any other tensor is
     attended as given, even with NaN past its end."""
-    from eagle3_platform.attention import grouped_attention
+    from eagle3_platform.model.attention import grouped_attention
 
     buf = torch.randn(2, 2, 24, 8)
     buf[:, :, 20:] = float("nan")

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from eagle3_platform.packed_linear import PackedLinear, pack_linears, packing_available
+from eagle3_platform.model.packed_linear import PackedLinear, pack_linears, packing_available
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="torch built without oneDNN")
 
@@ -26,7 +26,7 @@ def test_packed_linear_matches_linear(dtype, bias):
 
 
 def test_pack_linears_swaps_every_linear_and_keeps_state_dict_clean(tiny_target_dir):
-    from eagle3_platform.target import load_target
+    from eagle3_platform.model.target import load_target
 
     plain = load_target(tiny_target_dir, pack=False)
     packed = load_target(tiny_target_dir)
@@ -43,7 +43,7 @@ def test_pack_linears_swaps_every_linear_and_keeps_state_dict_clean(tiny_target_
 
 def test_packed_model_logits_match_row_major_in_bf16(tiny_target_dir):
     """Packing changes the kernel, not the arithmetic: a bf16 model's logits agree within rounding."""
-    from eagle3_platform.target import load_target
+    from eagle3_platform.model.target import load_target
     from eagle3_platform.testing.spec import VariedTargetConfig, varied_target
 
     base = load_target(tiny_target_dir, pack=False)
@@ -62,7 +62,7 @@ def test_packed_model_logits_match_row_major_in_bf16(tiny_target_dir):
 def test_sibling_projections_share_one_matmul_and_match_their_linears(dtype, bias):
     """q/k/v (or gate/up) of one input: one matmul, each sibling its slice; a new input, or a sibling
     asked twice for the same input, computes afresh."""
-    from eagle3_platform.packed_linear import FusedProjection, fuse_siblings
+    from eagle3_platform.model.packed_linear import FusedProjection, fuse_siblings
 
     torch.manual_seed(0)
     attn = nn.Module()
@@ -86,8 +86,8 @@ def test_sibling_projections_share_one_matmul_and_match_their_linears(dtype, bia
 
 
 def test_load_target_fuses_each_layers_siblings(tiny_target_dir):
-    from eagle3_platform.packed_linear import FusedProjection
-    from eagle3_platform.target import load_target
+    from eagle3_platform.model.packed_linear import FusedProjection
+    from eagle3_platform.model.target import load_target
 
     model = load_target(tiny_target_dir).model
     for layer in model.model.layers:
@@ -101,7 +101,7 @@ def test_load_target_fuses_each_layers_siblings(tiny_target_dir):
 def test_wide_bf16_inputs_multiply_on_fp32_weights_within_one_bf16_rounding(monkeypatch, bias):
     """wide_rows 8: inputs of 8+ rows take the fp32 copy, fewer the bf16 weight; both equal the fp32
     product of the bf16 values within one bf16 rounding, and the output stays bf16."""
-    import eagle3_platform.packed_linear as pl
+    import eagle3_platform.model.packed_linear as pl
 
     torch.manual_seed(0)
     lin = nn.Linear(64, 96, bias=bias).to(torch.bfloat16)
@@ -122,7 +122,7 @@ def test_wide_bf16_inputs_multiply_on_fp32_weights_within_one_bf16_rounding(monk
 
 
 def test_wide_copies_are_bf16_only_and_shared_inputs_take_them(monkeypatch):
-    import eagle3_platform.packed_linear as pl
+    import eagle3_platform.model.packed_linear as pl
 
     fp32 = PackedLinear(nn.Linear(16, 16), wide_rows=2)
     assert fp32.weight_packed.wide is None and fp32.weight_packed.wide_rows == 0  # already fp32
@@ -144,7 +144,7 @@ def test_wide_copies_are_bf16_only_and_shared_inputs_take_them(monkeypatch):
 def test_narrow_inputs_multiply_on_the_row_major_weight(monkeypatch, bias):
     """narrow_rows 4: inputs of fewer rows take torch's row-major kernel, 4+ the packed one; both
     equal nn.Linear's output (another kernel: fp32 summation order only)."""
-    import eagle3_platform.packed_linear as pl
+    import eagle3_platform.model.packed_linear as pl
 
     torch.manual_seed(0)
     lin = nn.Linear(64, 96, bias=bias)
@@ -164,7 +164,7 @@ def test_narrow_inputs_multiply_on_the_row_major_weight(monkeypatch, bias):
 
 
 def test_shared_inputs_take_the_row_major_weight_when_narrow(monkeypatch):
-    import eagle3_platform.packed_linear as pl
+    import eagle3_platform.model.packed_linear as pl
 
     torch.manual_seed(0)
     mlp = nn.Module()

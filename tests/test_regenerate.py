@@ -73,7 +73,7 @@ def varied(tiny_target):
 @pytest.fixture
 def varied_regen(varied, monkeypatch):
     """regenerate_file decodes with `varied`, whatever target dir it is given."""
-    import eagle3_platform.target as target
+    import eagle3_platform.model.target as target
 
     monkeypatch.setattr(target, "load_target", lambda *a, **k: varied)
 
@@ -593,7 +593,7 @@ def test_cli_filter_wiring(tiny_target_dir, tmp_path, capsys):
 def test_smollm2_regeneration_matches_generate(smollm2_dir, tmp_path):
     """The real target: records are consistent with render, and the batched local path answers the
     first turn exactly as a plain greedy `model.generate` on each prompt alone."""
-    from eagle3_platform.target import load_target
+    from eagle3_platform.model.target import load_target
 
     prompts = [prompt_record(0, ["What is the capital of France?"]),
                prompt_record(1, ["Name a primary colour.", "Name another one."], system="Answer in one line."),
@@ -659,7 +659,7 @@ def test_the_batch_refills_within_its_row_and_kv_budgets(varied, tok, budget, wi
     from eagle3_platform.data import local_gen
 
     if widen_up_to is not None:
-        monkeypatch.setattr("eagle3_platform.attention.WIDEN_UP_TO", widen_up_to)
+        monkeypatch.setattr("eagle3_platform.model.attention.WIDEN_UP_TO", widen_up_to)
 
     model, eos = varied.model, tok.eos_token_id
     prompts = [render_prompt(tok, [{"role": "user", "content": "Tell me a story. " * (i % 4) + f"Item {i}?"}])

@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 
-from eagle3_platform.kv_cache import GrowingCache
+from eagle3_platform.model.kv_cache import GrowingCache
+from eagle3_platform.model.ragged import RaggedCache, row_groups
 from eagle3_platform.spec.config import PRESETS, SpecConfig
 from eagle3_platform.spec.engine import SpecEngine
-from eagle3_platform.spec.ragged import RaggedCache, row_groups
 from eagle3_platform.testing.oracle import OracleDrafter
 from eagle3_platform.testing.spec import VariedTargetConfig, random_draft, varied_target
 from tests.test_spec_engine import MAX_NEW, PROMPTS, _ids, hf_greedy, target  # noqa: F401 (fixture)
@@ -86,7 +86,7 @@ def test_batched_greedy_equals_target_greedy_whatever_the_batch(target, refs, ki
     if group_overhead is not None:
         monkeypatch.setattr(RaggedCache, "group_overhead", group_overhead)
     if widen_up_to is not None:
-        monkeypatch.setattr("eagle3_platform.attention.WIDEN_UP_TO", widen_up_to)
+        monkeypatch.setattr("eagle3_platform.model.attention.WIDEN_UP_TO", widen_up_to)
     order = PROMPTS + [LONG] + PROMPTS[::-1]
     max_new = [MAX_NEW, 12, MAX_NEW, 5, MAX_NEW, 9, 1]  # rows leave at different steps
     if kind.startswith("oracle"):
@@ -333,7 +333,7 @@ def test_fp32_batch_cache_under_a_bf16_model(tiny_target_dir):
     """compute.kv_cache_dtype's fp32 cache under a bf16 model: prompts copied in and keys written by a
     verify forward are the bf16 values exactly (fp32 holds every bf16), and the forward's logits are
     what the bf16 cache gives, within bf16 rounding (attention runs in fp32 instead)."""
-    from eagle3_platform.target import load_target
+    from eagle3_platform.model.target import load_target
 
     model = load_target(tiny_target_dir, "bfloat16").model
     g = torch.Generator().manual_seed(0)
@@ -366,9 +366,9 @@ def test_fp32_batch_cache_under_a_bf16_model(tiny_target_dir):
 
 def test_the_last_row_out_frees_the_buffers_sized_for_the_longest_prompt(target):  # noqa: F811
     """A long prompt's row grows the buffers; once every row has left they are freed, so the next
-    short request gets buffers sized for itself (attention reads them whole: attention.py) and its
+    short request gets buffers sized for itself (attention reads them whole: model/attention.py) and its
     decode still equals its forward alone (fp32, tolerance: other matmul shapes)."""
-    from eagle3_platform.kv_cache import slot_capacity
+    from eagle3_platform.model.kv_cache import slot_capacity
 
     model, g = target.model, torch.Generator().manual_seed(0)
     ragged = RaggedCache()

@@ -26,7 +26,7 @@ MAX_NEW = 24
 
 @pytest.fixture(scope="module")
 def smol(smollm2_dir):
-    from eagle3_platform.target import load_target
+    from eagle3_platform.model.target import load_target
 
     old = torch.get_num_threads()
     torch.set_num_threads(1)

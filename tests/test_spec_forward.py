@@ -1,4 +1,4 @@
-"""The engine's step forward (spec/forward.py) computes what transformers' forward computes for the
+"""The engine's step forward (model/forward.py) computes what transformers' forward computes for the
 same step: logits, EAGLE-3 features and the cache it writes (same modules and functions in the same
 order, same shapes and threads: equal up to at most last-bit effects; compared with a tight tolerance)."""
 from __future__ import annotations
@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from eagle3_platform.features.capture import forward_capture
-from eagle3_platform.kv_cache import GrowingCache
-from eagle3_platform.spec import forward as fwd
+from eagle3_platform.model import forward as fwd
+from eagle3_platform.model.kv_cache import GrowingCache
+from eagle3_platform.model.ragged import RaggedCache
+from eagle3_platform.model.target import load_target
 from eagle3_platform.spec.config import PRESETS
 from eagle3_platform.spec.engine import SpecEngine
-from eagle3_platform.spec.ragged import RaggedCache
 from eagle3_platform.spec.tree import ancestor_matrix, depths
-from eagle3_platform.target import load_target
 from eagle3_platform.testing.oracle import OracleDrafter
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -86,7 +86,7 @@ def test_rope_by_roll_equals_transformers_rotate_half():
     q, k = torch.randn(2, 6, 3, 16, generator=g), torch.randn(2, 2, 3, 16, generator=g)  # [b,heads,n,hd]
     cos, sin = torch.randn(2, 3, 16, generator=g), torch.randn(2, 3, 16, generator=g)  # [b,n,hd]
     want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
-    got = fwd._rope(torch.cat([q, k], dim=1), *fwd._rope_factors(cos, sin))
+    got = fwd.rope(torch.cat([q, k], dim=1), *fwd.rope_factors(cos, sin))
     torch.testing.assert_close(got, torch.cat([want_q, want_k], dim=1), rtol=0, atol=1e-7)
 
 

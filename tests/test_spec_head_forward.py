@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from eagle3_platform.draft.quant import int4_head, packed_head
-from eagle3_platform.int4_weights import int4_available
-from eagle3_platform.packed_linear import packing_available
+from eagle3_platform.model.int4_weights import int4_available
+from eagle3_platform.model.packed_linear import packing_available
 from eagle3_platform.spec import head_forward
 from eagle3_platform.spec.drafter import DraftKV
 from eagle3_platform.spec.head_forward import head_backbone, head_logits

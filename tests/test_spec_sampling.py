@@ -9,9 +9,9 @@ import torch
 
 from eagle3_platform.spec.config import SpecConfig
 from eagle3_platform.spec.engine import SpecEngine
-from eagle3_platform.spec.sampling import _sample_residual, verify_sampling
-from eagle3_platform.testing.spec import VariedTargetConfig, random_draft, varied_target
 from eagle3_platform.spec.tree import Tree
+from eagle3_platform.spec.verify import _sample_residual, verify_sampling
+from eagle3_platform.testing.spec import VariedTargetConfig, random_draft, varied_target
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3_platform.kv_cache import GrowingCache
-from eagle3_platform.spec.ragged import RaggedCache
+from eagle3_platform.model.kv_cache import GrowingCache
+from eagle3_platform.model.ragged import RaggedCache
 from eagle3_platform.spec.tree import Tree, ancestor_matrix, depths, path_to
 
 

@@ -17,7 +17,7 @@ from resources import PresetResource, TargetResource
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("eagle3_platform", "assets", "resources")
 TINY, TARGET = PresetResource(name="tiny"), TargetResource(model="tiny-random")
-INT4 = "eagle3_platform/int4_weights.py"
+INT4 = "eagle3_platform/model/int4_weights.py"
 LOADS_THE_TARGET = {"target_responses", "feature_shards", "deployment", "benchmark_report"}
 
 
@@ -37,14 +37,13 @@ def copy_sources(dest: Path, edit: tuple[str, str, str] | None = None) -> Path:
 
 
 def test_each_asset_reaches_the_code_it_runs():
-    model = {"eagle3_platform/target.py", "eagle3_platform/compute.py", "eagle3_platform/attention.py",
-             "eagle3_platform/packed_linear.py", INT4}
+    model = {f"eagle3_platform/model/{m}.py" for m in ("target", "compute", "attention", "packed_linear")} | {INT4}
     assert model <= closure("feature_shards")  # load_target's kernels, reached through lazy imports
     assert {"eagle3_platform/features/extract.py", "eagle3_platform/features/capture.py"} <= closure(
         "feature_shards")
-    spec = {f"eagle3_platform/spec/{m}.py" for m in ("forward", "ragged", "sampling")}
-    assert model | spec | {"eagle3_platform/data/local_gen.py"} <= closure("target_responses")
-    assert "eagle3_platform/spec/sampling.py" in closure("draft_head")
+    step = {f"eagle3_platform/model/{m}.py" for m in ("forward", "ragged", "sampling")}
+    assert model | step | {"eagle3_platform/data/local_gen.py"} <= closure("target_responses")
+    assert "eagle3_platform/model/sampling.py" in closure("draft_head")
     for name in ("deployment", "benchmark_report"):  # the server runs as `eagle3 serve`, a program
         assert {"resources/serving.py", "eagle3_platform/serve/server.py", "eagle3_platform/spec/engine.py",
                 "eagle3_platform/spec/drafter.py", INT4} <= closure(name)
@@ -54,8 +53,8 @@ def test_each_asset_reaches_the_code_it_runs():
     prompts = closure("filtered_prompts")
     assert {f"eagle3_platform/data/{m}.py" for m in ("filter", "pii", "stages")} <= prompts
     assert not {"eagle3_platform/spec/drafter.py", "eagle3_platform/data/local_gen.py",
-                "eagle3_platform/compute.py", INT4, "resources/serving.py"} & prompts
-    assert not {INT4, "eagle3_platform/compute.py", "eagle3_platform/draft/ttt.py",
+                "eagle3_platform/model/compute.py", INT4, "resources/serving.py"} & prompts
+    assert not {INT4, "eagle3_platform/model/compute.py", "eagle3_platform/draft/ttt.py",
                 "eagle3_platform/draft/export.py"} & closure("draft_vocab")  # the head's, in the same module
     assert {a for a in AREAS if INT4 in closure(a)} == LOADS_THE_TARGET
     # an upstream asset is lineage, and the package that lists every asset runs none of them
@@ -183,7 +182,7 @@ def stand_ins(assets) -> list:
 
 
 def test_a_machine_resolving_auto_otherwise_changes_the_model_assets_only(monkeypatch):
-    from eagle3_platform import compute
+    from eagle3_platform.model import compute
 
     here = versions(ROOT)
     resolve = compute.resolve_dtype

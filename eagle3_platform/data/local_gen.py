@@ -17,7 +17,7 @@ Large batches (64-128 rows in bf16 is where a CPU's matmuls pay off) make two co
 prefill keeps only the last row of logits (a [B,T,V] logits tensor is GBs), and finished rows leave
 the cache in groups (each turnover copies the whole cache), decoding a few ignored rows meanwhile.
 The cache grows in place (kv_cache.GrowingCache), not by concatenation; on CPU the target decodes with
-grouped-query attention (attention.py, set by load_target).
+grouped-query attention (model/attention.py, set by load_target).
 
 Left padding makes every row attend over the longest row's width, and a decode step's attention reads
 its keys and values from memory: with long prompts in the batch that is most of a step, and much of what
@@ -48,11 +48,11 @@ from typing import Callable
 
 import torch
 
-from eagle3_platform.attention import cache_buffer
-from eagle3_platform.kv_cache import GrowingCache, slot_capacity
-from eagle3_platform.spec.forward import step_forward, supports
-from eagle3_platform.spec.ragged import row_groups
-from eagle3_platform.spec.sampling import greedy
+from eagle3_platform.model.attention import cache_buffer
+from eagle3_platform.model.forward import step_forward, supports
+from eagle3_platform.model.kv_cache import GrowingCache, slot_capacity
+from eagle3_platform.model.ragged import row_groups
+from eagle3_platform.model.sampling import greedy
 
 
 ALONE_FROM = 256  # prompt tokens to prefill at which a prompt is prefilled alone (batch 1)
@@ -159,7 +159,7 @@ def decode_stream(model, queue: deque[Request], on_done: Callable[[Request, Gene
     Once `closed()` (checked before every step), the rows running end where they are (finish_reason
     "time") and the queue is left to the caller."""
     rows: _Rows | None = None
-    lean = supports(model)  # decode steps through spec/forward.step_forward; asked once, not per step
+    lean = supports(model)  # decode steps through model/forward.step_forward; asked once, not per step
     while True:
         if closed is not None and closed():
             if rows is not None:
@@ -282,7 +282,7 @@ class _Rows:
 
     def forward(self, model, lean: bool) -> None:
         """One token per row (finished and departed rows too, ignored) -> the next logits. lean (the
-        model takes it, forward.supports): through the engine's step forward (spec/forward.py: the
+        model takes it, forward.supports): through the engine's step forward (model/forward.py: the
         same values as transformers' forward in fewer small ops, ~1.03-1.16x the tok/s)."""
         B = len(self.reqs)
         self.mask = torch.cat([self.mask, self.mask.new_ones((B, 1))], dim=1)  # [B,P+1]
@@ -311,7 +311,7 @@ class _Rows:
 def padding_groups(mask: torch.Tensor) -> list[tuple[int, int, int]]:
     """mask [B,P] (1 = real token, rows right-aligned) -> contiguous row groups (start, stop, lo):
     slots before lo are padding in every row of the group, so its rows attend over [lo, P) and on
-    (spec/ragged.row_groups: the fewest (row, slot) pairs plus PADDING_GROUP_OVERHEAD per group).
+    (model/ragged.row_groups: the fewest (row, slot) pairs plus PADDING_GROUP_OVERHEAD per group).
     Columns are only appended, so the groups hold until the next rebuild: every row's span grows
     alike, and the pairs the grouping saves stay the same."""
     P = mask.shape[1]

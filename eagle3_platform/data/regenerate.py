@@ -87,12 +87,12 @@ class RegenConfig:
     # order: a time budget then leaves a random sample unstarted, not the longest prompts. Its own
     # setting, so lifting the budget to take up what it deferred keeps the plan of the records written.
     random_order: bool = False
-    dtype: str = "auto"  # local compute dtype: auto = bf16 where the hardware has it (compute.py)
+    dtype: str = "auto"  # local compute dtype: auto = bf16 where the hardware has it (model/compute.py)
     torch_threads: int = 0  # local: 0 = all cores (the step runs alone); >0 pins (a shared box)
     # local multi-turn: keep each conversation's KV cache between turns (False re-prefills the whole
     # history every turn: same answers up to rounding, for benchmarks)
     reuse_turn_cache: bool = True
-    # local: the target's linear layers on oneDNN's packed layout (packed_linear.py; False = torch's
+    # local: the target's linear layers on oneDNN's packed layout (model/packed_linear.py; False = torch's
     # row-major kernels, bench_regen's reference path)
     packed_linears: bool = True
     request_timeout_s: float = 600.0
@@ -435,9 +435,9 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
     Returns the summary: read, written, rejected, by_reason, resumed, new_tokens, tok_per_s, ...
     Nothing written (every record rejected, or an empty input) is a failed stage: ValueError.
     """
-    from eagle3_platform.compute import int4_matmul_rows, resolve_dtype
+    from eagle3_platform.model.compute import int4_matmul_rows, resolve_dtype
+    from eagle3_platform.model.target import read_meta
     from eagle3_platform.store.checks import distinct_paths
-    from eagle3_platform.target import read_meta
 
     cfg = resolve_config(cfg)
     out_path = Path(out_path)
@@ -716,8 +716,8 @@ def run_local(target_dir, convos: list[Convo], turns: Turns, cfg: RegenConfig, d
     without loading the target. `settled`: records a continued published output holds whole; planned
     over the rest only, a grown prompt set asks its new prompts without redoing the old ones'
     windows."""
-    from eagle3_platform.compute import set_threads
-    from eagle3_platform.target import load_target
+    from eagle3_platform.model.compute import set_threads
+    from eagle3_platform.model.target import load_target
 
     for c in convos:
         if c.reject is None:

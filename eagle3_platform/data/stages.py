@@ -79,7 +79,7 @@ def need_file(path: str) -> None:
 
 
 def need_target(path: str) -> str:
-    from eagle3_platform.target import META_FILE
+    from eagle3_platform.model.target import META_FILE
 
     if not (Path(path) / META_FILE).is_file():
         raise FileNotFoundError(f"{path} is not a prepared target (run `eagle3 prepare-target`)")

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle3_platform.attention import MAX_GROUPED_QUERY, grouped_attention
+from eagle3_platform.model.attention import MAX_GROUPED_QUERY, grouped_attention
 
 DEFAULT_ROPE_THETA = 10000.0
 DRAFT_WEIGHTS, DRAFT_CONFIG = "draft.safetensors", "draft_config.json"  # a trained draft dir (train.save_draft_dir)

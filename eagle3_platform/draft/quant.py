@@ -10,12 +10,12 @@ draft does not depend on the path. Output stays lossless: the target verifies ev
 which tokens get drafted can change (τ is the same either way; scripts/bench_decode.py).
 
 `packed_head` (the "auto" choice where the target is not on 4-bit codes): bf16 weights on oneDNN's
-blocked layout (packed_linear.py). With the target's 270 MB streaming between draft forwards, it
+blocked layout (model/packed_linear.py). With the target's 270 MB streaming between draft forwards, it
 reads the head's lm_head faster than the int8 GEMV does (~0.75x its time at 1 row, ~0.5x at 8 rows);
 int8 stays selectable (`head_weights="int8"`).
 
 `int4_head` (`head_weights="int4"`): the head's linears rounded to a 4-bit grid (Q4_1's, per 32
-inputs) and packed with their codes (int4_weights.py), so a draft forward of a few rows reads 1/8 of
+inputs) and packed with their codes (model/int4_weights.py), so a draft forward of a few rows reads 1/8 of
 the fp32 bytes (1/4 of bf16's); wider inputs multiply on the rounded weights in the head's dtype. Only
 the head is rounded. In a bf16 engine a chain_adaptive step costs ~6% less than with the packed bf16
 head, τ unchanged (bench_decode).
@@ -69,9 +69,9 @@ def int8_head(draft: nn.Module) -> nn.Module:
 
 
 def packed_head(draft: nn.Module, narrow_rows: int = 0) -> nn.Module:
-    """A copy of the head on oneDNN-packed weights (packed_linear.py: q/k/v and gate/up fused; inputs
+    """A copy of the head on oneDNN-packed weights (model/packed_linear.py: q/k/v and gate/up fused; inputs
     of fewer than narrow_rows rows on the row-major weights), `draft` left as it was."""
-    from eagle3_platform.packed_linear import pack_linears
+    from eagle3_platform.model.packed_linear import pack_linears
 
     copied = _head_copy(draft)
     pack_linears(copied, narrow_rows=narrow_rows)
@@ -84,8 +84,8 @@ def int4_head(draft: nn.Module, int4_rows: int, narrow_rows: int = 0) -> nn.Modu
     left as it was. Lossy for the head alone: the target still verifies every drafted token.
     A bf16 head is rounded from its bf16 values (the grid's step is far coarser than bf16's), and
     its wider inputs multiply on the rounded weight in bf16."""
-    from eagle3_platform.int4_weights import GROUP, N_MULTIPLE, round_to_grid
-    from eagle3_platform.packed_linear import pack_linears
+    from eagle3_platform.model.int4_weights import GROUP, N_MULTIPLE, round_to_grid
+    from eagle3_platform.model.packed_linear import pack_linears
 
     dtype = next(draft.parameters()).dtype
 
@@ -104,7 +104,7 @@ def int4_head(draft: nn.Module, int4_rows: int, narrow_rows: int = 0) -> nn.Modu
 
 def _head_copy(draft: nn.Module, swap=None) -> nn.Module:
     """A copy of the head sharing its frozen embedding and RoPE; its linears through `swap` if given."""
-    from eagle3_platform.packed_linear import swap_linears
+    from eagle3_platform.model.packed_linear import swap_linears
 
     copied = copy.copy(draft)
     copied._modules = {name: m if name in ("embed_tokens", "rotary") else copy.deepcopy(m)

@@ -50,7 +50,7 @@ def distinct_dirs(dirs: list[str]) -> list[str]:
 def run_vocab(req: VocabRequest) -> dict:
     from eagle3_platform.draft.model import target_hf_config
     from eagle3_platform.draft.vocab import save_vocab, vocab_from_features
-    from eagle3_platform.target import identity
+    from eagle3_platform.model.target import identity
 
     output_file(req.out)
     V = target_hf_config(req.target)["vocab_size"]

@@ -30,13 +30,13 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from eagle3_platform.compute import autocast, resolve_device, resolve_dtype, set_threads
 from eagle3_platform.draft.metrics import simulated_acceptance
 from eagle3_platform.draft.model import DRAFT_CONFIG, DRAFT_WEIGHTS, DraftConfig, Eagle3Draft, build_draft, \
     read_draft_dir, target_head_weights, target_hf_config
 from eagle3_platform.draft.ttt import TargetTop1, TTTLoss, batch_targets, collate, real_positions, step_masks
 from eagle3_platform.draft.vocab import load_vocab, save_vocab, vocab_from_features
 from eagle3_platform.draft.warm_start import warm_start
+from eagle3_platform.model.compute import autocast, resolve_device, resolve_dtype, set_threads
 from eagle3_platform.spec.answer_ngrams import ANSWER_LEAD, AnswerNgrams
 from eagle3_platform.store.records import atomic_write, write_json_atomic
 
@@ -353,7 +353,7 @@ def prepare(target_dir, feature_dirs, out_dir: Path, cfg: TrainConfig, vocab_pat
     """Datasets, vocab, draft model (seeded init on the CPU, or a trained head's weights with
     `init_from`, then moved), frozen target lm_head, both on `device`."""
     from eagle3_platform.features.shards import ShardDataset
-    from eagle3_platform.target import identity
+    from eagle3_platform.model.target import identity
 
     expect = identity(target_dir)
     hf = target_hf_config(target_dir)

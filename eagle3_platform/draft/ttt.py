@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle3_platform.draft.model import Eagle3Draft, repeat_kv
-from eagle3_platform.spec.sampling import greedy
+from eagle3_platform.model.sampling import greedy
 
 STEP_WEIGHT_DECAY = 0.8   # loss weight of step k is 0.8**k (EAGLE-3 / SpecForge)
 TEACHER_CHUNK = 1024      # rows of last_hidden per full-vocab teacher matmul (bounds memory)

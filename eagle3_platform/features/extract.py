@@ -24,15 +24,15 @@ import torch
 from pydantic import ValidationError
 from safetensors import safe_open
 
-from eagle3_platform.compute import resolve_device, resolve_dtype
 from eagle3_platform.features.capture import forward_capture
 from eagle3_platform.features.shards import (MANIFEST, ShardError, check_shard, read_header,
                                              read_manifest, rows_from_shards, shard_name,
                                              write_manifest, write_shard)
+from eagle3_platform.model.compute import resolve_device, resolve_dtype
+from eagle3_platform.model.target import Target, load_target
 from eagle3_platform.store.records import (ConversationRecord, Rejection, remove_stale_tmp, top_reasons,
                                      write_jsonl_atomic)
 from eagle3_platform.store.storage import Mirror, Storage, storage_from_uri
-from eagle3_platform.target import Target, load_target
 
 REJECTED = "rejected.jsonl"
 STAGE = "features"
@@ -258,7 +258,7 @@ def extract_file(target_dir: str | Path, conv_path: str | Path, out_dir: str | P
     t0 = time.perf_counter()
     if target is None:
         device = resolve_device(cfg.device)
-        # whole conversations per forward: dense work (compute.py), where bf16 may not pay
+        # whole conversations per forward: dense work (model/compute.py), where bf16 may not pay
         target = load_target(target_dir, dtype=resolve_dtype(cfg.target_dtype, device, "dense"), device=device)
     header = target_header(target, cfg)
     sink = _sink(out_dir, storage, prefix)

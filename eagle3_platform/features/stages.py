@@ -24,8 +24,8 @@ def feature_config(req: ExtractRequest):
 
 
 def run_extract(req: ExtractRequest) -> dict:
-    from eagle3_platform.compute import set_threads
     from eagle3_platform.features.extract import extract_file
+    from eagle3_platform.model.compute import set_threads
 
     output_dir(req.out)
     if req.torch_threads is not None:  # FeatureConfig has no thread setting: torch's default otherwise

@@ -20,15 +20,16 @@ from typing import Sequence
 
 import torch
 
-from eagle3_platform.compute import threads
 from eagle3_platform.draft.metrics import acceptance_length
-from eagle3_platform.kv_cache import GrowingCache
+from eagle3_platform.model.compute import threads
+from eagle3_platform.model.kv_cache import GrowingCache
+from eagle3_platform.model.ragged import RaggedCache
+from eagle3_platform.model.sampling import greedy, target_probs
 from eagle3_platform.spec.drafter import propose_all
 from eagle3_platform.spec.lookup import PLAIN_LOOKUP_ROWS
-from eagle3_platform.spec.ragged import RaggedCache
-from eagle3_platform.spec.sampling import greedy, target_probs, verify_greedy, verify_sampling
 from eagle3_platform.spec.stops import Finisher
 from eagle3_platform.spec.tree import Tree, ancestor_matrix, depths, root_only
+from eagle3_platform.spec.verify import verify_greedy, verify_sampling
 
 PREFILL_CHUNK = 256  # prompt tokens per prefill forward (a long prompt is split across steps)
 # Below this temperature a request decodes greedily (the T -> 0 limit of sampling): logits / 1e-40

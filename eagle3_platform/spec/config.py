@@ -39,7 +39,7 @@ class SpecConfig:
     answer_tokens: int = 0
     # The head's weights in the embedded CPU engine (draft/quant.py; not an SGLang flag): "int8" reads
     # half the bytes per draft forward (a batch-1 draft step is bound by weight reads), "packed" keeps
-    # the head's dtype on oneDNN's blocked layout (packed_linear.py), "int4" rounds the head to a
+    # the head's dtype on oneDNN's blocked layout (model/packed_linear.py), "int4" rounds the head to a
     # 4-bit grid and drafts a few rows on its codes (draft/quant.int4_head), "native" keeps it as trained.
     # Output is lossless in every case: only the drafted tokens may differ. "auto" (the default) is
     # "int4" where the target itself decodes on 4-bit codes (load_target's int4_rows), in fp32 or bf16:

@@ -22,16 +22,16 @@ from typing import Iterator, Sequence
 
 import torch
 
-from eagle3_platform.attention import GROUPED_DECODE
-from eagle3_platform.compute import int4_probe_rows, threads
 from eagle3_platform.data.chat import eos_token_ids
 from eagle3_platform.draft.quant import int4_head, int8_head, packed_head
 from eagle3_platform.features.capture import forward_capture
+from eagle3_platform.model.attention import GROUPED_DECODE
+from eagle3_platform.model.compute import int4_probe_rows, threads
+from eagle3_platform.model.forward import mixed_forward, step_forward, supports
 from eagle3_platform.spec.answer_ngrams import AnswerNgrams
 from eagle3_platform.spec.batch import Batch
 from eagle3_platform.spec.config import PRESETS, SpecConfig
 from eagle3_platform.spec.drafter import EagleDrafter
-from eagle3_platform.spec.forward import mixed_forward, step_forward, supports
 from eagle3_platform.spec.lookup import LookupDrafter
 from eagle3_platform.spec.policy import DraftSizePolicy, policy_step
 
@@ -66,7 +66,7 @@ class SpecEngine:
         self.layer_ids = list(head_layers or target.meta["capture_layer_ids"])
         self.eos_ids = eos_token_ids(target.tokenizer, self.model)
         self.grouped_attention = getattr(self.model.config, "_attn_implementation", None) == GROUPED_DECODE
-        self.use_step_forward = supports(self.model)  # steps skip transformers' plumbing (forward.py)
+        self.use_step_forward = supports(self.model)  # steps skip transformers' plumbing (model/forward.py)
         self.last_stats: dict = {}
 
     # ---- public API -------------------------------------------------------------------------------
@@ -126,9 +126,9 @@ class SpecEngine:
     def forward(self, ids, mask, pos, cache, drafter, logits_to_keep: int = 0, row_groups=None):
         """-> (logits [B,T,V] (the last logits_to_keep positions' if > 0), aux [B,T,3H] | None);
         `cache` is updated in place. Features only when a draft consumes them. row_groups: a ragged
-        cache's (start, stop, lo, hi) groups, for attention.py's grouped kernel (others ignore them).
+        cache's (start, stop, lo, hi) groups, for model/attention.py's grouped kernel (others ignore them).
         A step (positions and a mask given, or one row's one token) of a Llama-style target runs
-        forward.py's loop; prefill chunks and other models run transformers' forward."""
+        model/forward.py's loop; prefill chunks and other models run transformers' forward."""
         if self._in_step_loop(ids, mask, pos):
             layers = self.layer_ids if drafter is not None else ()
             with threads(self.target_threads):
@@ -145,14 +145,14 @@ class SpecEngine:
 
     def _in_step_loop(self, ids, mask, pos) -> bool:
         """A step (positions and a mask given, or one row's one token) of a Llama-style target: it
-        runs forward.py's loop."""
+        runs model/forward.py's loop."""
         return self.use_step_forward and pos is not None and (mask is not None or ids.shape == (1, 1))
 
     def forward_with_prompts(self, ids, mask, pos, cache, drafter, row_groups, prompts):
         """A step (as forward) with prompt chunks [(ids [1,c], prompt cache, drafter)] in the same
         target forward (forward.mixed_forward) -> (logits, aux, [(last logits [1,1,V], aux | None)] per
         chunk). Features where the step's or the chunk's drafter consumes them. Where the step does not
-        go through forward.py's loop, the chunks run apart first."""
+        go through model/forward.py's loop, the chunks run apart first."""
         if not prompts or not self._in_step_loop(ids, mask, pos):
             chunks = [self.forward(c, None, None, c_cache, d, logits_to_keep=1) for c, c_cache, d in prompts]
             return (*self.forward(ids, mask, pos, cache, drafter, row_groups=row_groups), chunks)

@@ -1,7 +1,7 @@
 """`eagle3 eval`: acceptance length and decode speed of a draft head on prompt records, per workload,
 optionally checking losslessness against plain greedy decoding of the target.
 
-Prompts are PromptRecord JSONL (records.py). Each conversation is rendered with the target's chat
+Prompts are PromptRecord JSONL (store/records.py). Each conversation is rendered with the target's chat
 template + generation prompt up to and including its FIRST user turn (system turns before it kept):
 multi-turn records are evaluated on their opening turn only, since later turns would need the
 target's own earlier answers.
@@ -77,7 +77,7 @@ def evaluate(target_dir, export_dir, prompts_path, cfg: SpecConfig = PRESETS["ch
     verify_lossless, baseline tok/s, speedup and the number of outputs that differ from plain greedy
     decoding of the target — must be 0 at temperature 0)."""
     from eagle3_platform.draft.export import load_export
-    from eagle3_platform.target import load_target
+    from eagle3_platform.model.target import load_target
 
     if verify_lossless and temperature != 0:
         raise ValueError("--verify-lossless compares greedy outputs: use temperature 0")

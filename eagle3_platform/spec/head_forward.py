@@ -1,5 +1,5 @@
 """The draft head's forward while drafting: Eagle3Draft.backbone and .logits (draft/model.py) in the
-target step's idioms (forward.py).
+target step's idioms (model/forward.py).
 
 A chain of 4 runs the head's one layer 4-5 times a step, each a one-row forward of which its five 4-bit
 matmuls take about a quarter: the rest is ~110 small ops and a dozen nn.Module calls. Here the head's
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle3_platform.draft.model import Eagle3Draft
-from eagle3_platform.spec.forward import _matmul, _norm, _rope, _rope_factors
+from eagle3_platform.model.forward import fast_norm, fused_matmul, rope, rope_factors
 
 ROPE_TABLE_MIN = 1024  # positions the first table holds; it doubles past them
 
@@ -32,13 +32,13 @@ class _HeadPlan:
         layer, attn, mlp = draft.midlayer, draft.midlayer.self_attn, draft.midlayer.mlp
         self.dtype = draft.norm.weight.dtype  # a cast of the head (cast_parameters) builds a new plan
         self.embedding = draft.embed_tokens.weight
-        self.norm_emb, self.norm_hidden = _norm(layer.input_layernorm), _norm(layer.hidden_norm)
-        self.norm_post, self.norm_out = _norm(layer.post_attention_layernorm), _norm(draft.norm)
+        self.norm_emb, self.norm_hidden = fast_norm(layer.input_layernorm), fast_norm(layer.hidden_norm)
+        self.norm_post, self.norm_out = fast_norm(layer.post_attention_layernorm), fast_norm(draft.norm)
         self.n_heads, self.head_dim = attn.n_heads, attn.head_dim
-        self.qkv, self.v_size = _matmul(attn.q_proj, attn.k_proj, attn.v_proj), attn.v_proj.out_features
-        self.o = _matmul(attn.o_proj)
-        self.gate_up, self.gate_size = _matmul(mlp.gate_proj, mlp.up_proj), mlp.gate_proj.out_features
-        self.down, self.lm_head = _matmul(mlp.down_proj), _matmul(draft.lm_head)
+        self.qkv, self.v_size = fused_matmul(attn.q_proj, attn.k_proj, attn.v_proj), attn.v_proj.out_features
+        self.o = fused_matmul(attn.o_proj)
+        self.gate_up, self.gate_size = fused_matmul(mlp.gate_proj, mlp.up_proj), mlp.gate_proj.out_features
+        self.down, self.lm_head = fused_matmul(mlp.down_proj), fused_matmul(draft.lm_head)
         self.rotary = draft.rotary
         self.table = self._rope_table(ROPE_TABLE_MIN)  # [N, 2hd]: cos | signed sin per position
 
@@ -47,7 +47,7 @@ class _HeadPlan:
         what the rotary module gives each position (it computes per position alike: a product per
         frequency, then cos and sin)."""
         with torch.inference_mode(False), torch.no_grad():  # a table kept across forwards
-            cos, sin = _rope_factors(*self.rotary(torch.empty(0), torch.arange(n)[None]))  # [1,1,n,hd] x2
+            cos, sin = rope_factors(*self.rotary(torch.empty(0), torch.arange(n)[None]))  # [1,1,n,hd] x2
         return torch.cat([cos, sin], dim=-1)[0, 0]
 
     def rope(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,7 +93,7 @@ def head_backbone(draft, ids, hidden, pos, mask=None, past_kv=None):
     x = torch.cat([p.norm_emb(emb), p.norm_hidden(hidden)], dim=-1)  # [B,T,2H]
     qkv = p.qkv(x)  # [B,T,(nh+2nkv)*hd]
     cos, sin = p.rope(pos, hidden.dtype)  # [B,1,T,hd] each
-    qk = _rope(qkv[..., :-p.v_size].view(B, T, -1, p.head_dim).transpose(1, 2), cos, sin)  # [B,nh+nkv,T,hd]
+    qk = rope(qkv[..., :-p.v_size].view(B, T, -1, p.head_dim).transpose(1, 2), cos, sin)  # [B,nh+nkv,T,hd]
     q, k = qk[:, :p.n_heads].contiguous(), qk[:, p.n_heads:]  # q contiguous as the module's is
     v = qkv[..., -p.v_size:].view(B, T, -1, p.head_dim).transpose(1, 2)  # [B,nkv,T,hd]
     attn = draft.attend(q, k, v, mask, past_kv)  # [B,nh,T,hd]

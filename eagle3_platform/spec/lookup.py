@@ -9,7 +9,7 @@ a chain hung under the root. Where its first tokens agree with the head's tree i
 A longer match earns a longer chain, at most 2^(n-1) tokens for an n-token match: the first token
 after a 1-token match is right about a fifth of the time, after a 4-token match most of the time,
 and every proposed token widens the verify.
-Verification is unchanged (sampling.py), so output is too: greedy output equals target greedy
+Verification is unchanged (verify.py), so output is too: greedy output equals target greedy
 decoding whatever either drafter proposes; the branch only adds verify width (in bf16 on CPU, 5 more
 query tokens cost about as much as one).
 

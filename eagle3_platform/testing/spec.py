@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from eagle3_platform.draft.model import DraftConfig, Eagle3Draft
-from eagle3_platform.packed_linear import pack_linears
-from eagle3_platform.target import Target, capture_layer_ids
+from eagle3_platform.model.packed_linear import pack_linears
+from eagle3_platform.model.target import Target, capture_layer_ids
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ def varied_target(base: Target | None, cfg: VariedTargetConfig = VariedTargetCon
     layers packed as load_target packs them (pack=False: torch's row-major kernels)."""
     from transformers import LlamaForCausalLM
 
-    from eagle3_platform.target import tiny_config
+    from eagle3_platform.model.target import tiny_config
 
     hf = copy.deepcopy(base.model.config) if base is not None else tiny_config(cfg.vocab_size)
     hf.tie_word_embeddings = False

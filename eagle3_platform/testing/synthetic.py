@@ -41,7 +41,7 @@ def target_features(target_dir, out_dir, n_samples: int = 12, min_len: int = 12,
     """Features of the real (tiny) target on random sequences; response ids repeat a short motif so a
     head can learn something within a few steps."""
     from eagle3_platform.features.capture import forward_capture
-    from eagle3_platform.target import load_target
+    from eagle3_platform.model.target import load_target
 
     target = load_target(target_dir)
     meta = target.meta

@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from eagle3_platform.attention import cache_buffer
-from eagle3_platform.kv_cache import slot_capacity
+from eagle3_platform.model.attention import cache_buffer
+from eagle3_platform.model.kv_cache import slot_capacity
 # One more group costs about as much as attending over this many more (row, slot) pairs: splitting a
 # row a few hundred tokens longer than the rest off made a step slower, two ~1000-token rows split off
 # made it faster.

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from eagle3_platform.int4_weights import grid_codes, int4_matmul, rows_on_codes
+from eagle3_platform.model.int4_weights import grid_codes, int4_matmul, rows_on_codes
 
 
 def packing_available() -> bool:

@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
-from eagle3_platform.attention import cache_buffer
+from eagle3_platform.model.attention import cache_buffer
 
 MIN_SPARE = 64  # tokens of headroom added on every growth
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3_platform.compute import (int4_matmul_rows, kv_cache_dtype, narrow_matmul_rows, resolve_dtype,
+from eagle3_platform.model.compute import (int4_matmul_rows, kv_cache_dtype, narrow_matmul_rows, resolve_dtype,
                                      wide_matmul_rows)
 from eagle3_platform.store.paths import cache_root  # noqa: F401  (re-exported: callers use target.cache_root)
 from eagle3_platform.store.records import sha256_file
@@ -119,8 +119,8 @@ def load_target(path: str | Path, dtype: str = "float32", device: str = "cpu", p
     model = AutoModelForCausalLM.from_pretrained(path, dtype=load_dtype).to(device).eval()
     packed, wide, narrow, int4_linears = 0, 0, 0, 0
     if device == "cpu":
-        from eagle3_platform.attention import use_grouped_decode
-        from eagle3_platform.packed_linear import int4_weight_count, pack_linears
+        from eagle3_platform.model.attention import use_grouped_decode
+        from eagle3_platform.model.packed_linear import int4_weight_count, pack_linears
         use_grouped_decode(model)
         if pack:
             wide, narrow = wide_matmul_rows(setting, device), narrow_matmul_rows(setting, device)

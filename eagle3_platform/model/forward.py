@@ -23,8 +23,8 @@ import weakref
 
 import torch
 
-from eagle3_platform.attention import GROUPED_DECODE, grouped_decode_attention
-from eagle3_platform.packed_linear import FusedProjection, PackedLinear, SharedInput
+from eagle3_platform.model.attention import GROUPED_DECODE, grouped_decode_attention
+from eagle3_platform.model.packed_linear import FusedProjection, PackedLinear, SharedInput
 
 LLAMA_STYLE = ("llama",)  # pre-norm, rotary, q/k/v/o + gated MLP, no q/k norms, no sliding window
 
@@ -67,7 +67,7 @@ def mixed_forward(model, ids, pos, mask, cache, layer_ids=(), logits_to_keep: in
         c_mask = None if past == 0 else (torch.arange(past + c)[None] <= c_pos[0, :, None])[None, None]
         parts.append(((1, c), c_pos, c_mask, c_cache, None))  # mask [1,1,c,past+c]; None: causal
     h = base.embed_tokens(ids if not prompts else torch.cat([ids.view(1, -1)] + [i for i, _ in prompts], 1))
-    rotary = [_rope_factors(*base.rotary_emb(h, p)) for _, p, _, _, _ in parts]  # per part [b,1,q,hd] x2
+    rotary = [rope_factors(*base.rotary_emb(h, p)) for _, p, _, _, _ in parts]  # per part [b,1,q,hd] x2
     bounds = _bounds([b * n for (b, n), *_ in parts])
     kept = {}
     for i, layer in enumerate(_plan(model)):
@@ -75,7 +75,7 @@ def mixed_forward(model, ids, pos, mask, cache, layer_ids=(), logits_to_keep: in
         qk_all, v_all = qkv[..., :-layer.v_size], qkv[..., -layer.v_size:]  # q|k side by side, v
         outs = []
         for (shape, _, m, kv_cache, groups), (cos, sin), (a, z) in zip(parts, rotary, bounds):
-            qk = _rope(_heads(qk_all, a, z, shape, layer.head_dim), cos, sin)  # [b,H+kv,n,hd]
+            qk = rope(_heads(qk_all, a, z, shape, layer.head_dim), cos, sin)  # [b,H+kv,n,hd]
             ks, vs = kv_cache.update(qk[:, layer.n_heads:], _heads(v_all, a, z, shape, layer.head_dim), i)
             qs = qk[:, :layer.n_heads].contiguous()  # as the old separate q was: the same fp32 sums
             o, _ = grouped_decode_attention(layer.attn, qs, ks, vs, m, scaling=layer.scaling,
@@ -108,14 +108,14 @@ def _bounds(sizes: list[int]) -> list[tuple[int, int]]:
     return [(e - n, e) for n, e in zip(sizes, ends)]
 
 
-def _rope_factors(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_factors(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [b,n,hd] -> cos [b,1,n,hd] and sin with rotate_half's sign folded in (first half
     negated) [b,1,n,hd], once per step for every layer."""
     half = sin.shape[-1] // 2
     return cos.unsqueeze(1), torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).unsqueeze(1)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x [b,heads,n,hd] -> x rotated: x*cos + rotate_half(x)*sin, exactly (rotate_half(x) is
     roll(x, hd/2) with its first half negated, and -(a*b) = a*(-b) in floating point)."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
@@ -128,15 +128,15 @@ class _Layer:
     def __init__(self, layer):
         attn, mlp = layer.self_attn, layer.mlp
         self.attn = attn
-        self.norm1, self.norm2 = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
+        self.norm1, self.norm2 = fast_norm(layer.input_layernorm), fast_norm(layer.post_attention_layernorm)
         self.n_heads, self.head_dim, self.scaling = attn.config.num_attention_heads, attn.head_dim, attn.scaling
-        self.qkv, self.v_size = _matmul(attn.q_proj, attn.k_proj, attn.v_proj), attn.v_proj.out_features
-        self.o = _matmul(attn.o_proj)
-        self.gate_up, self.gate_size = _matmul(mlp.gate_proj, mlp.up_proj), mlp.gate_proj.out_features
-        self.down, self.act = _matmul(mlp.down_proj), mlp.act_fn  # LlamaMLP: down(act(gate) * up)
+        self.qkv, self.v_size = fused_matmul(attn.q_proj, attn.k_proj, attn.v_proj), attn.v_proj.out_features
+        self.o = fused_matmul(attn.o_proj)
+        self.gate_up, self.gate_size = fused_matmul(mlp.gate_proj, mlp.up_proj), mlp.gate_proj.out_features
+        self.down, self.act = fused_matmul(mlp.down_proj), mlp.act_fn  # LlamaMLP: down(act(gate) * up)
 
 
-def _norm(module):
+def fast_norm(module):
     """A Llama RMSNorm's forward; an fp32 one as torch's rms_norm, the same ops (mean of squares, rsqrt,
     two products: bitwise the same output) dispatched from C++, without the forward's no-op casts
     (~10 µs a call of ~29 here; a step makes 61). Also the draft head's RMSNorm (draft/model.py: `eps`)."""
@@ -161,7 +161,7 @@ def _plan(model) -> list[_Layer]:
     return plan
 
 
-def _matmul(*linears):
+def fused_matmul(*linears):
     """A callable x [..., D] -> the linears' outputs side by side [..., sum of out] in one call: their fused
     matmul where load_target fused them (packed_linear.FusedProjection siblings 0, 1, ... in order,
     q|k|v or gate|up), a PackedLinear's own matmul, or the modules and a concatenation."""

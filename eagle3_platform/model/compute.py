@@ -244,7 +244,7 @@ def _measure_rowmajor_rows(dtype: torch.dtype, reps: int = 5) -> int:
     """The fewest rows (of ROWMAJOR_PROBE_ROWS) at which SmolLM2's MLP matmuls ([M,576]x[576,3072],
     [M,1536]x[1536,576]) run no slower packed than row-major, best of `reps` interleaved; 0 where
     packed wins from one row (rows below the answer take the row-major kernel)."""
-    from eagle3_platform.packed_linear import pack_weight, packed_matmul, packing_available
+    from eagle3_platform.model.packed_linear import pack_weight, packed_matmul, packing_available
 
     if not packing_available():
         return 0
@@ -268,8 +268,8 @@ def _measure_int4_rows(dtype: torch.dtype = torch.float32, reps: int = 5) -> int
     ([M,576]x[576,3072], [M,1536]x[1536,576], weights on a random 4-bit grid) run faster on their
     codes than in `dtype` (the faster of row-major and packed), best of `reps` interleaved; 0 where
     `dtype` wins at the first. (The kernel's cost steps every 4 rows: winning at 12 means winning at 9-12.)"""
-    from eagle3_platform.int4_weights import GROUP, LEVELS, grid_codes, int4_available, int4_matmul
-    from eagle3_platform.packed_linear import pack_weight, packed_matmul, packing_available
+    from eagle3_platform.model.int4_weights import GROUP, LEVELS, grid_codes, int4_available, int4_matmul
+    from eagle3_platform.model.packed_linear import pack_weight, packed_matmul, packing_available
 
     if not int4_available():
         return 0

@@ -8,7 +8,7 @@ query heads by their key/value head instead makes a step two batched matmuls ove
 eager). Verifying a draft (a few query tokens under a tree mask) is grouped the same way: sdpa would
 copy every key/value head first. Maskless multi-token queries (causal prefill) go to sdpa unchanged.
 
-Rows of a continuous batch have different lengths (spec/ragged.py). Given `row_groups` (contiguous
+Rows of a continuous batch have different lengths (model/ragged.py). Given `row_groups` (contiguous
 rows of similar length, each with its own range of slots), attention runs per group over that range
 only, so one long prompt does not make every row attend over its length (B 8, one 1000-token row
 among 150-token ones: the padded span costs ~4x the attended pairs). The engine's rows start at slot
@@ -195,7 +195,7 @@ def _scores(qg: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
 
 
 # the last two (mask, (version, r, S), bias): a forward's layers share its masks, and a step carrying a
-# prompt chunk (spec/forward.mixed_forward) alternates two per layer, the rows' and the chunk's
+# prompt chunk (model/forward.mixed_forward) alternates two per layer, the rows' and the chunk's
 _last_biases: tuple = ()
 
 
