@@ -141,7 +141,7 @@ def eagle3_config(args, name: str, weights: str) -> SpecConfig:
 
 def build_methods(target, draft, args, refs: dict, bf16_target=None, stock_target=None, answers=None) -> dict:
     """refs: per oracle row (its name), prompt -> its settled references (filled by warm_up).
-    answers: the export's answer n-gram table (spec/answer_ngrams.py); with --answer-tokens N > 0,
+    answers: the export's answer n-gram table (draft/answer_ngrams.py); with --answer-tokens N > 0,
     each lookup row (and the policy row) also runs drafting up to N tokens from it (suffix _answersN)."""
     tt = args.target_threads
     variants = [("", 0)] + ([(f"_answers{args.answer_tokens}", args.answer_tokens)] if args.answer_tokens else [])
@@ -328,7 +328,7 @@ def main(argv=None) -> int:
                     help="also run each eagle3 row with a prompt-lookup branch of this many tokens")
     ap.add_argument("--answer-tokens", type=int, default=0,
                     help="also run each lookup row (and the policy row) drafting up to this many tokens from "
-                         "the export's answer n-gram table (spec/answer_ngrams.py; suffix _answersN); 0 = no")
+                         "the export's answer n-gram table (draft/answer_ngrams.py; suffix _answersN); 0 = no")
     ap.add_argument("--oracle", action="store_true", help="add the oracle_chain ceiling row")
     ap.add_argument("--oracle-steps", type=int, nargs="+", default=[PRESETS["chain"].num_steps],
                     help="the oracle chains' depths, a row each (oracle_chain = the chain preset's 4)")

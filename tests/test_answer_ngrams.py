@@ -1,4 +1,4 @@
-"""The answer n-gram table (spec/answer_ngrams.py): what it keeps, how it drafts, its file, and the lookup
+"""The answer n-gram table (draft/answer_ngrams.py): what it keeps, how it drafts, its file, and the lookup
 branch falling back to it (greedy output unchanged, fp32, tiny target)."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eagle3_platform.spec import answer_ngrams as an
-from eagle3_platform.spec.answer_ngrams import MIN_SHARE, AnswerNgrams
+from eagle3_platform.draft import answer_ngrams as an
+from eagle3_platform.draft.answer_ngrams import MIN_SHARE, AnswerNgrams
 from eagle3_platform.spec.config import PRESETS
 from eagle3_platform.spec.engine import SpecEngine
 from eagle3_platform.spec.lookup import LookupDrafter

@@ -411,12 +411,12 @@ def test_samples_with_no_response_within_max_len_are_left_out_and_counted(tiny_t
 
 
 def test_train_writes_the_answer_table_of_its_features_and_export_ships_it(tiny_target_dir, features, tmp_path):
-    """The lookup branch's answer table (spec/answer_ngrams.py) is built from the train features' answers
+    """The lookup branch's answer table (draft/answer_ngrams.py) is built from the train features' answers
     (each loss-masked run, with its turn header's ANSWER_LEAD tokens), written beside the head, and
     exported in a folder of its own (SGLang loads every top-level *.safetensors as weights)."""
+    from eagle3_platform.draft.answer_ngrams import ANSWER_LEAD, AnswerNgrams
     from eagle3_platform.draft.export import ANSWERS_FILE, export_draft, load_answer_ngrams
     from eagle3_platform.features.shards import ShardDataset
-    from eagle3_platform.spec.answer_ngrams import ANSWER_LEAD, AnswerNgrams
 
     ds = ShardDataset([features[0]])
     want = []

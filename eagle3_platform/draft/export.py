@@ -15,14 +15,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagle3_platform.draft.answer_ngrams import AnswerNgrams
 from eagle3_platform.draft.model import DraftConfig, Eagle3Draft, build_draft, read_draft_dir
 from eagle3_platform.draft.vocab import check_vocab
-from eagle3_platform.spec.answer_ngrams import AnswerNgrams
 
 ARCH = "LlamaForCausalLMEagle3"
 EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 WEIGHTS_FILE, CONFIG_FILE = "model.safetensors", "config.json"
-# The embedded engine's answer n-gram table (spec/answer_ngrams.py), when train wrote one: in a folder of
+# The embedded engine's answer n-gram table (answer_ngrams.py), when train wrote one: in a folder of
 # its own, because SGLang loads every *.safetensors at the top of a model dir as weights.
 ANSWERS_FILE = "lookup/answer_ngrams.safetensors"
 

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from eagle3_platform.draft.answer_ngrams import ANSWER_LEAD, AnswerNgrams
 from eagle3_platform.draft.metrics import simulated_acceptance
 from eagle3_platform.draft.model import DRAFT_CONFIG, DRAFT_WEIGHTS, DraftConfig, Eagle3Draft, build_draft, \
     read_draft_dir, target_head_weights, target_hf_config
@@ -37,7 +38,6 @@ from eagle3_platform.draft.ttt import TargetTop1, TTTLoss, batch_targets, collat
 from eagle3_platform.draft.vocab import load_vocab, save_vocab, vocab_from_features
 from eagle3_platform.draft.warm_start import warm_start
 from eagle3_platform.model.compute import autocast, resolve_device, resolve_dtype, set_threads
-from eagle3_platform.spec.answer_ngrams import ANSWER_LEAD, AnswerNgrams
 from eagle3_platform.store.records import atomic_write, write_json_atomic
 
 METRICS, VOCAB, ANSWERS = "metrics.json", "vocab.safetensors", "answer_ngrams.safetensors"
@@ -452,7 +452,7 @@ def train(target_dir, feature_dirs, out_dir, cfg: TrainConfig, resume: bool = Fa
                **({"warm_start": warm} if warm else {})}
     if rank == 0:
         summary.update(_final_eval(draft, ds, eval_dirs, expect, lm_head, run_cfg))
-        # the lookup branch's second source (spec/answer_ngrams.py), from the same train answers
+        # the lookup branch's second source (answer_ngrams.py), from the same train answers
         summary["answer_ngrams"] = AnswerNgrams.build(ds.response_spans(ANSWER_LEAD)).save(out_dir / ANSWERS)
         _write_outputs(out_dir, draft, cfg, expect, feature_dirs, summary)
         _log(f"done: {total} steps; train sim. acceptance {summary['train_eval']['simulated_acceptance']:.3f}")

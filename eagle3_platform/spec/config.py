@@ -30,7 +30,7 @@ class SpecConfig:
     # (a long match is mostly right; lookup.py). 0 = the head's tree alone.
     lookup_tokens: int = 0
     lookup_ngram: int = 4
-    # The branch's second source (answer_ngrams.py; the embedded engine only): in a plain step of a row
+    # The branch's second source (draft/answer_ngrams.py; the embedded engine only): in a plain step of a row
     # alone whose own text matches fewer than 2 tokens, up to answer_tokens tokens drafted from an
     # n-gram table of the target's training answers (exported beside the head). 0 = off, the default:
     # on a CPU where a 4-token verify costs well over a plain step it lifts the branch alone but not

@@ -23,12 +23,12 @@ from typing import Iterator, Sequence
 import torch
 
 from eagle3_platform.data.chat import eos_token_ids
+from eagle3_platform.draft.answer_ngrams import AnswerNgrams
 from eagle3_platform.draft.quant import int4_head, int8_head, packed_head
 from eagle3_platform.features.capture import forward_capture
 from eagle3_platform.model.attention import GROUPED_DECODE
 from eagle3_platform.model.compute import int4_probe_rows, threads
 from eagle3_platform.model.forward import mixed_forward, step_forward, supports
-from eagle3_platform.spec.answer_ngrams import AnswerNgrams
 from eagle3_platform.spec.batch import Batch
 from eagle3_platform.spec.config import PRESETS, SpecConfig
 from eagle3_platform.spec.drafter import EagleDrafter
@@ -42,7 +42,7 @@ class SpecEngine:
                  answers: AnswerNgrams | None = None):
         """target_threads, draft_threads: torch threads of the target's forwards and of the head's
         drafting (0 = every core; None = the caller's). answers: the lookup branch's second source
-        (answer_ngrams.py; used where cfg.lookup_tokens and cfg.answer_tokens are > 0)."""
+        (draft/answer_ngrams.py; used where cfg.lookup_tokens and cfg.answer_tokens are > 0)."""
         self.target, self.model, self.cfg, self.answers = target, target.model, cfg, answers
         self.target_threads, self.draft_threads = target_threads, draft_threads
         self.dtype = next(self.model.parameters()).dtype

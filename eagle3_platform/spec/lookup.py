@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle3_platform.spec.answer_ngrams import OWN_MATCH, AnswerNgrams
+from eagle3_platform.draft.answer_ngrams import OWN_MATCH, AnswerNgrams
 from eagle3_platform.spec.tree import Tree
 
 
@@ -79,7 +79,7 @@ def graft(tree: Tree, chain: list[int]) -> Tree:
 class LookupDrafter:
     """An EAGLE drafter plus a prompt-lookup branch. Keeps the request's tokens (x_1 .. pending root:
     what prefill and commit hand every drafter) and forwards everything else to the head's drafter.
-    With `answers` (answer_ngrams.py) and answer_tokens > 0, a plain step of a row alone whose own
+    With `answers` (draft/answer_ngrams.py) and answer_tokens > 0, a plain step of a row alone whose own
     text matches fewer than OWN_MATCH tokens drafts the branch from the target's training answers
     instead, at most answer_tokens of them (SpecConfig.answer_tokens)."""
 
