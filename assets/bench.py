@@ -9,7 +9,7 @@ import sys
 
 from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
 
-from eagle3_platform.summary import run_with_summary
+from eagle3_platform.cli.summary import run_with_summary
 
 from assets.deploy import deployment
 from assets.metadata import summary_metadata

@@ -11,11 +11,12 @@ a class counts with all its methods, a module used as a value (not `module.name`
 statement is hashed as its syntax tree without docstrings, so comments and layout change nothing.
 
 What the code loads by a string:
-- a project module run as a program (`[python, "-m", "resources.pipes_worker"]`) or a `.py` file
-  named beside its module (`with_name("locustfile.py")`) counts whole, `__main__` block included;
+- a project module run as a program (`[python, "-m", "resources.pipes_worker"]`; a package: its
+  `__main__.py` too) or a `.py` file named beside its module (`with_name("locustfile.py")`) counts
+  whole, `__main__` block included;
 - `eagle3_platform.stage` loads each area's stages module by name and runs `RUNNERS[type(request)]`
   from it: a request class brings the runner its table pairs it with; the names only load modules;
-- `eagle3_platform.cli` loads each area's cli module by name and runs the handler of one subcommand:
+- `eagle3_platform.cli` loads each area's command module by name and runs the handler of one subcommand:
   a command that spells it (`-m eagle3_platform.cli serve`) brings the area registering it, one that
   does not (`-m eagle3_platform.cli *args`) brings every area;
 - any other dotted string equal to a project module's name counts that module whole (except in
@@ -221,12 +222,18 @@ class Project:
                 if i not in skip and not _is_guard(s, "TYPE_CHECKING")]
 
     def _program(self, name: str, subcommand: str | None) -> list[Stmt]:
-        out = self._whole(name) + [(name, i) for i in self.module(name).main]
+        out = self._run(name)
+        if self.module(name).rel.endswith("__init__.py"):  # `-m package` runs its __main__.py
+            out += self._run(f"{name}.__main__")
         if name == CLI:  # the area registering the subcommand; every area where the command hides it
             areas = self.cli_areas()
             chosen = [a for a, commands in areas.items() if subcommand in commands] or list(areas)
             out += [s for a in chosen for s in self._whole(a)]
         return out
+
+    def _run(self, name: str) -> list[Stmt]:
+        m = self.module(name)
+        return self._whole(name) + [(name, i) for i in m.main] if m else []
 
     def cli_areas(self) -> dict[str, set[str]]:
         """eagle3_platform.cli and its area modules -> the subcommands each registers (`add_parser`)."""

@@ -1,6 +1,6 @@
 """`eagle3 run`'s Dagster side: `python -m assets.launch '<the parsed flags as JSON>'`.
 
-eagle3_platform/run_cli.py declares and checks the flags; this module only reads them back. In the
+eagle3_platform/cli/run.py declares and checks the flags; this module only reads them back. In the
 project's persistent instance (what `dagster dev -w workspace.yaml` shows) it observes the workload
 sources, then walks the steps up to `--through`: each chosen workload partition (prompts → responses →
 features), then each unpartitioned asset (vocab → head + its blocking check → deployment → benchmark

@@ -169,7 +169,7 @@ def parse(*argv):
 def test_the_flags_reach_the_launcher_as_parsed():
     from pathlib import Path
 
-    from eagle3_platform.run_cli import launch_command
+    from eagle3_platform.cli.run import launch_command
 
     cmd = launch_command(parse("--preset", "cpu", "--target", "tiny-random", "--workloads", "code,math",
                                "--regen-budget-min", "2.5", "--prompts-per-workload", "1600", "--force"))
@@ -187,7 +187,8 @@ def test_the_flags_reach_the_launcher_as_parsed():
     (["--prompts-per-workload", "0"], "--prompts-per-workload 0: must be >= 1"),
     (["--workloads", "code,nope"], "unknown workloads ['nope']")])
 def test_bad_flags_are_refused_before_anything_runs(capsys, monkeypatch, argv, message):
-    from eagle3_platform import cli, run_cli
+    from eagle3_platform import cli
+    from eagle3_platform.cli import run as run_cli
 
     monkeypatch.setattr(run_cli, "run_with_summary", lambda *a, **k: pytest.fail("the launcher was started"))
     assert cli.main(["run", *argv]) == 2

@@ -1,7 +1,7 @@
 """`run_with_summary`: the one reader of the CLI contract (last stdout line = JSON summary)."""
 import sys
 
-from eagle3_platform.summary import run_with_summary
+from eagle3_platform.cli.summary import run_with_summary
 
 
 def _py(code: str) -> list[str]:
@@ -47,7 +47,7 @@ def test_stopping_the_caller_stops_the_command_it_runs(tmp_path):
                "print('started', flush=True); time.sleep(120)")
     # the caller's dispositions as `nohup eagle3 run` has them, whatever this test process inherited
     caller = ("import signal, sys; signal.signal(signal.SIGTERM, signal.SIG_DFL); "
-              "signal.signal(signal.SIGHUP, signal.SIG_IGN); from eagle3_platform.summary import run_with_summary; "
+              "signal.signal(signal.SIGHUP, signal.SIG_IGN); from eagle3_platform.cli.summary import run_with_summary; "
               f"rc, s = run_with_summary([sys.executable, '-c', {command!r}]); print(rc, s['ok']); sys.exit(1)")
     proc = subprocess.Popen(_py(caller), stdout=subprocess.PIPE, text=True)
     pid = None

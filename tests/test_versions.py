@@ -86,7 +86,7 @@ def test_the_library_loads_modules_by_name_only_where_the_closure_resolves_it():
             if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in (
                     "import_module", "__import__"):
                 callers.add(str(path.relative_to(ROOT)))
-    assert callers == {"eagle3_platform/stage.py", "eagle3_platform/cli.py"}
+    assert callers == {"eagle3_platform/stage.py", "eagle3_platform/cli/__init__.py"}
     from eagle3_platform import stage
 
     project = Project(ROOT)
@@ -233,6 +233,8 @@ TOY = {  # a small project: what reaches what is known by construction
     "eagle3_platform/script.py": "print(6)\n",  # a file named beside its module
     "eagle3_platform/named.py": "def g():\n    return 7\n",  # a module named by a dotted string
     "eagle3_platform/prog.py": "def main():\n    return 5\n\n\nif __name__ == '__main__':\n    main()\n",
+    "eagle3_platform/tool/__init__.py": "def main():\n    return 8\n",  # a package run as a program
+    "eagle3_platform/tool/__main__.py": "from eagle3_platform.tool import main\n\nif __name__ == '__main__':\n    main()\n",
     "assets/__init__.py": "from assets.a import first, second\n",
     "assets/a.py": '''
         from dagster import asset
@@ -251,6 +253,7 @@ TOY = {  # a small project: what reaches what is known by construction
             import subprocess
             import sys
             subprocess.run([sys.executable, "-m", "eagle3_platform.prog"])
+            subprocess.run([sys.executable, "-m", "eagle3_platform.tool"])
             return "eagle3_platform.named"
         ''',
 }
@@ -271,8 +274,10 @@ def test_the_closure_follows_names_through_lazy_relative_and_package_imports(toy
                                 "eagle3_platform/lazy.py", "eagle3_platform/pkg/__init__.py",
                                 "eagle3_platform/pkg/impl.py", "eagle3_platform/via_class.py",
                                 "eagle3_platform/script.py"}
-    # `first` in its decorator is lineage; the program it runs and the module it names count
-    assert p.files("second") == {"assets/a.py", "eagle3_platform/prog.py", "eagle3_platform/named.py"}
+    # `first` in its decorator is lineage; the programs it runs (a package's __main__.py too) and the
+    # module it names count
+    assert p.files("second") == {"assets/a.py", "eagle3_platform/prog.py", "eagle3_platform/named.py",
+                                 "eagle3_platform/tool/__init__.py", "eagle3_platform/tool/__main__.py"}
 
 
 @pytest.mark.parametrize("path,old,new,changes", [

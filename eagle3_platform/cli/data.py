@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from eagle3_platform.cli_args import add_compute_args, add_preset_arg
+from eagle3_platform.cli.args import add_compute_args, add_preset_arg
 from eagle3_platform.data.stages import FilterRequest, RegenerateRequest, SourcesRequest
 from eagle3_platform.stage import run
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eagle3_platform.cli_args import require_positive
+from eagle3_platform.cli.args import require_positive
 from eagle3_platform.spec.config import PRESETS, get_preset
 from eagle3_platform.store.checks import output_file
 from eagle3_platform.store.records import write_json_atomic

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from eagle3_platform.cli_args import require_positive
+from eagle3_platform.cli.args import require_positive
 from eagle3_platform.store.checks import output_dir
 
 

@@ -1,7 +1,7 @@
 """`eagle3 train`, `eagle3 export`, `eagle3 vocab`: argv → the stage's request (eagle3_platform.draft.stages)."""
 from __future__ import annotations
 
-from eagle3_platform.cli_args import add_compute_args, add_preset_arg
+from eagle3_platform.cli.args import add_compute_args, add_preset_arg
 
 
 def _dirs(s: str | None) -> list[str]:

@@ -9,10 +9,10 @@ import os
 import sys
 from pathlib import Path
 
+from eagle3_platform.cli.summary import run_with_summary
 from eagle3_platform.store.checks import output_dir
-from eagle3_platform.summary import run_with_summary
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]  # eagle3_platform/cli/run.py -> the checkout
 LAUNCHER = "assets.launch"
 # The child reads these at import (presidio's suffix list, the HF hub): offline unless the caller says so.
 CHILD_ENV = {"TLDEXTRACT_PUBLIC_SUFFIX_LIST_URLS": "", "HF_HUB_OFFLINE": "1", "DAGSTER_DISABLE_TELEMETRY": "1",

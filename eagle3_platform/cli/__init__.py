@@ -1,9 +1,10 @@
 """`eagle3`: every stage runs standalone (the same requests run as Dagster Pipes workers).
 
-Each area registers its own subcommands (`add_commands(subparsers)` in its `cli.py`), which only turn
-argv into the stage's request (eagle3_platform.stage); this module assembles them and owns the
-contract: the last line a command prints is a one-line JSON summary, and bad input is a one-line
-error with exit code 2, never a traceback.
+Each area's subcommands are one module of this package (`add_commands(subparsers)` in cli/data.py,
+cli/features.py, ...), which only turn argv into the stage's request (eagle3_platform.stage); this
+module assembles them and owns the contract: the last line a command prints is a one-line JSON
+summary, and bad input is a one-line error with exit code 2, never a traceback. The area modules are
+loaded by name when the parser is built, and load torch only when a command runs.
 """
 from __future__ import annotations
 
@@ -15,13 +16,13 @@ import sys
 from pydantic import ValidationError
 
 AREAS = (
-    "eagle3_platform.data.cli",
-    "eagle3_platform.features.cli",
-    "eagle3_platform.draft.cli",
-    "eagle3_platform.spec.cli",
+    "eagle3_platform.cli.data",
+    "eagle3_platform.cli.features",
+    "eagle3_platform.cli.draft",
+    "eagle3_platform.cli.spec",
     "eagle3_platform.serve.cli",
-    "eagle3_platform.bench.cli",
-    "eagle3_platform.run_cli",
+    "eagle3_platform.cli.bench",
+    "eagle3_platform.cli.run",
 )
 
 
@@ -67,7 +68,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     emit_summary({"ok": True, **(summary or {})})
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

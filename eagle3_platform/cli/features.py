@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from eagle3_platform.cli_args import add_compute_args, add_preset_arg
+from eagle3_platform.cli.args import add_compute_args, add_preset_arg
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
