@@ -5,7 +5,6 @@ module reaches for another's private names."""
 import ast
 import subprocess
 import sys
-import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,9 +144,7 @@ class _Imports(ast.NodeVisitor):
     def visit_Call(self, node: ast.Call) -> None:
         fn = getattr(node.func, "attr", getattr(node.func, "id", ""))
         if fn in ("import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant):
-            self.depth += 1  # a name loaded when the line runs: counted as called
             self.add(str(node.args[0].value), (), node)
-            self.depth -= 1
         self.generic_visit(node)
 
     def _nested(self, node) -> None:
@@ -170,18 +167,18 @@ def package_of(module: str) -> str | None:
     return parts[1] if len(parts) > 1 else None
 
 
-def package_edges(imports: list[Import]) -> dict[str, set[str]]:
-    """Package -> the packages it imports, less the dispatchers' imports when called."""
+def package_edges(imports: list[Import], of=package_of) -> dict[str, set[str]]:
+    """Package (or, with of=str, module) -> those it imports, less the dispatchers' imports when called."""
     edges: dict[str, set[str]] = {}
     for i in imports:
-        a, b = package_of(i.source), package_of(i.target)
-        if a and b and a != b and not (a in DISPATCHERS and i.when_called):
+        a, b = of(i.source), of(i.target)
+        if a and b and a != b and not (package_of(i.source) in DISPATCHERS and i.when_called):
             edges.setdefault(a, set()).add(b)
     return edges
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected groups of more than one package (Tarjan)."""
+    """The strongly connected groups of more than one node (Tarjan): each group imports itself."""
     index, low, stack, out = {}, {}, [], []
 
     def visit(v):
@@ -235,8 +232,10 @@ def test_no_package_imports_a_layer_above_it():
     assert not upward_imports(library_imports(ROOT))
 
 
-def test_no_two_packages_import_each_other():
-    assert not cycles(package_edges(library_imports(ROOT)))
+def test_no_two_packages_import_each_other_nor_two_modules():
+    imports = library_imports(ROOT)
+    assert not cycles(package_edges(imports))
+    assert not cycles(package_edges(imports, of=str))
 
 
 def test_no_module_takes_another_modules_private_names():
@@ -255,13 +254,14 @@ def test_the_import_checks_catch_a_cycle_an_upward_import_and_a_private_name(tmp
         "spec/head.py": "from ..model.forward import _norm\n",  # relative, private
         "spec/engine.py": "def run():\n    import importlib\n    importlib.import_module('eagle3_platform.draft.ttt')\n",
         "draft/__init__.py": "",
-        "draft/ttt.py": "def f():\n    from eagle3_platform.spec import head\n",  # function-local, upward
+        "draft/ttt.py": "def f():\n    from eagle3_platform.spec import engine\n",  # function-local, upward
     }
     for rel, text in sources.items():
         path = tmp_path / "eagle3_platform" / rel
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(textwrap.dedent(text))
+        path.write_text(text)
     imports = library_imports(tmp_path)
     assert cycles(package_edges(imports)) == [["draft", "spec"]]  # config -> data when called is allowed
+    assert cycles(package_edges(imports, of=str)) == [["eagle3_platform.draft.ttt", "eagle3_platform.spec.engine"]]
     assert [u.split(" ")[0] for u in upward_imports(imports)] == ["eagle3_platform.draft.ttt:2"]
     assert private_imports(imports) == ["eagle3_platform.spec.head:1 takes _norm from eagle3_platform.model.forward"]
