@@ -15,10 +15,10 @@ import torch
 from starlette.testclient import TestClient
 
 from eagle3_platform.cli import main
+from eagle3_platform.model.target import tiny_tokenizer
 from eagle3_platform.serve.config import ServeConfig
 from eagle3_platform.serve.server import build_app
 from eagle3_platform.testing.serve import FakeEngine, word_token_ids
-from eagle3_platform.target import tiny_tokenizer
 
 CHAT = "/v1/chat/completions"
 MSGS = [{"role": "user", "content": "What is the capital of France?"}]
@@ -46,7 +46,7 @@ def cli_ok(capsys, *argv: str) -> dict:
 
 def conversations(target, n: int, **update) -> list:
     from eagle3_platform.data.chat import render, template_hash
-    from eagle3_platform.records import ConversationRecord
+    from eagle3_platform.store.records import ConversationRecord
 
     out = []
     for i in range(n):
@@ -61,7 +61,7 @@ def conversations(target, n: int, **update) -> list:
 
 
 def write_conv(path: Path, recs) -> Path:
-    from eagle3_platform.records import write_jsonl_atomic
+    from eagle3_platform.store.records import write_jsonl_atomic
 
     path.parent.mkdir(parents=True, exist_ok=True)
     write_jsonl_atomic(path, recs)
@@ -132,7 +132,7 @@ def _draft_dir(target_dir, out: Path, steps: int | None, nan: bool = False) -> P
     from eagle3_platform.draft.model import DraftConfig, build_draft, target_hf_config
     from eagle3_platform.draft.train import METRICS, save_draft_dir
     from eagle3_platform.draft.vocab import build_vocab
-    from eagle3_platform.target import read_meta
+    from eagle3_platform.model.target import read_meta
 
     hf = target_hf_config(target_dir)
     d2t, t2d, _ = build_vocab(torch.ones(hf["vocab_size"], dtype=torch.int64), hf["vocab_size"], 16)

@@ -13,11 +13,11 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
+from eagle3_platform.model.target import tiny_tokenizer
 from eagle3_platform.serve.config import ServeConfig
 from eagle3_platform.serve.server import build_app
-from eagle3_platform.testing.serve import FakeEngine, ThreadServer, word_token_ids
 from eagle3_platform.serve.text import TextStream
-from eagle3_platform.target import tiny_tokenizer
+from eagle3_platform.testing.serve import FakeEngine, ThreadServer, word_token_ids
 
 CHAT = "/v1/chat/completions"
 MSGS = [{"role": "user", "content": "What is the capital of France?"}]
@@ -454,7 +454,7 @@ def test_build_engine_takes_the_head_weights_setting(tiny_target_dir, tiny_expor
     from torch import nn
 
     from eagle3_platform.draft.quant import Int8Linear
-    from eagle3_platform.packed_linear import PackedLinear, packing_available
+    from eagle3_platform.model.packed_linear import PackedLinear, packing_available
     from eagle3_platform.serve.server import build_engine
 
     engine, _, meta = build_engine(tiny_target_dir, tiny_export, "chain")
@@ -472,9 +472,9 @@ def test_build_engine_takes_the_answer_tokens_setting_only_with_a_table(tiny_tar
     is refused rather than served silently without it."""
     import shutil
 
+    from eagle3_platform.draft.answer_ngrams import AnswerNgrams
     from eagle3_platform.draft.export import ANSWERS_FILE
     from eagle3_platform.serve.server import build_engine
-    from eagle3_platform.spec.answer_ngrams import AnswerNgrams
     from eagle3_platform.spec.tree import root_only
 
     engine, _, meta = build_engine(tiny_target_dir, tiny_export, "chain_adaptive_lookup")
@@ -494,7 +494,7 @@ def test_build_engine_takes_the_answer_tokens_setting_only_with_a_table(tiny_tar
 
 
 def test_build_engine_runs_the_target_on_target_threads(tiny_target_dir):
-    from eagle3_platform.compute import resolve_threads
+    from eagle3_platform.model.compute import resolve_threads
     from eagle3_platform.serve.config import PRESETS
     from eagle3_platform.serve.server import build_engine
 

@@ -13,9 +13,9 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
+from eagle3_platform.model.target import tiny_tokenizer
 from eagle3_platform.serve.config import ServeConfig
 from eagle3_platform.serve.server import build_app, host_name
-from eagle3_platform.target import tiny_tokenizer
 from eagle3_platform.testing.serve import FakeEngine, ThreadServer, word_token_ids
 
 CHAT, COMP = "/v1/chat/completions", "/v1/completions"

@@ -20,7 +20,7 @@ AREAS = (
     "eagle3_platform.cli.features",
     "eagle3_platform.cli.draft",
     "eagle3_platform.cli.spec",
-    "eagle3_platform.serve.cli",
+    "eagle3_platform.cli.serve",
     "eagle3_platform.cli.bench",
     "eagle3_platform.cli.run",
 )

@@ -36,13 +36,13 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from eagle3_platform.draft.metrics import acceptance_length
-from eagle3_platform.records import write_json_atomic
 from eagle3_platform.serve import protocol as P
 from eagle3_platform.serve.config import PRESETS, ServeConfig  # noqa: F401  (PRESETS: preset lookup)
 from eagle3_platform.serve.guard import guarded_h11
 from eagle3_platform.serve.text import TextStream
 from eagle3_platform.serve.worker import EngineWorker, Job, QueueFull
 from eagle3_platform.spec.policy import DraftSizePolicy
+from eagle3_platform.store.records import write_json_atomic
 
 log = logging.getLogger("eagle3.serve")
 API_KEY_ENV = "EAGLE3_API_KEY"
@@ -540,10 +540,10 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path | None = None, sp
 
     import torch
 
-    from eagle3_platform.compute import resolve_threads
+    from eagle3_platform.model.compute import resolve_threads
+    from eagle3_platform.model.target import load_target
     from eagle3_platform.spec.config import get_preset
     from eagle3_platform.spec.engine import SpecEngine
-    from eagle3_platform.target import load_target
 
     target = load_target(target_dir, dtype=dtype)
     draft = answers = None

@@ -157,7 +157,7 @@ def random_export(target_dir, out_dir, draft_vocab_size: int = 64, seed: int = 0
     from eagle3_platform.draft.model import DraftConfig, build_draft, target_hf_config
     from eagle3_platform.draft.train import save_draft_dir
     from eagle3_platform.draft.vocab import build_vocab
-    from eagle3_platform.target import read_meta
+    from eagle3_platform.model.target import read_meta
 
     out_dir = Path(out_dir)
     hf = target_hf_config(target_dir)
@@ -176,9 +176,9 @@ def random_export(target_dir, out_dir, draft_vocab_size: int = 64, seed: int = 0
 def main(argv=None) -> int:
     import os
 
+    from eagle3_platform.model.target import tiny_tokenizer
     from eagle3_platform.serve.config import PRESETS
     from eagle3_platform.serve.server import API_KEY_ENV, build_app, run_server
-    from eagle3_platform.target import tiny_tokenizer
 
     ap = argparse.ArgumentParser(description="serve the fake engine (tests)")
     ap.add_argument("--port", type=int, default=0)

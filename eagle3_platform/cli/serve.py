@@ -4,9 +4,10 @@ from __future__ import annotations
 import logging
 import os
 
-from eagle3_platform.cli_args import output_file, require_positive
+from eagle3_platform.cli.args import require_positive
 from eagle3_platform.serve.config import PRESETS
 from eagle3_platform.spec.config import HEAD_WEIGHTS
+from eagle3_platform.store.checks import output_file
 
 
 def add_commands(sub) -> None:
