@@ -17,7 +17,7 @@ from eagle3_platform.model.target import tiny_tokenizer
 from eagle3_platform.serve.config import ServeConfig
 from eagle3_platform.serve.server import build_app
 from eagle3_platform.serve.text import TextStream
-from eagle3_platform.testing.serve import FakeEngine, ThreadServer, word_token_ids
+from eagle3_platform.testing.serve import FakeEngine, ThreadServer, fake_app, word_token_ids
 
 CHAT = "/v1/chat/completions"
 MSGS = [{"role": "user", "content": "What is the capital of France?"}]
@@ -29,12 +29,7 @@ def tok():
 
 
 def make_app(tok, engine=None, api_key=None, **cfg):
-    engine = engine or FakeEngine(word_token_ids(tok), chunk=3)
-    base = ServeConfig(max_tokens=40, default_max_tokens=12, max_queue=16, max_body_bytes=20_000,
-                       allowed_hosts=("testserver",))  # the Host TestClient sends
-    app = build_app(engine, tok, base.with_(**cfg), model_name="fake-model",
-                    context_length=256, api_key=api_key)
-    return app, engine
+    return fake_app(tok, engine, api_key, **cfg)
 
 
 @pytest.fixture()

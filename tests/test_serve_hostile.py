@@ -14,9 +14,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from eagle3_platform.model.target import tiny_tokenizer
-from eagle3_platform.serve.config import ServeConfig
-from eagle3_platform.serve.server import build_app, host_name
-from eagle3_platform.testing.serve import FakeEngine, ThreadServer, word_token_ids
+from eagle3_platform.serve.server import host_name
+from eagle3_platform.testing.serve import FakeEngine, ThreadServer, fake_app, word_token_ids
 
 CHAT, COMP = "/v1/chat/completions", "/v1/completions"
 MSGS = [{"role": "user", "content": "What is the capital of France?"}]
@@ -29,11 +28,7 @@ def tok():
 
 
 def make_app(tok, engine=None, api_key=None, **cfg):
-    engine = engine or FakeEngine(word_token_ids(tok), chunk=3)
-    base = ServeConfig(max_tokens=40, default_max_tokens=8, max_queue=16, max_body_bytes=20_000,
-                       allowed_hosts=("testserver",))  # the Host TestClient sends
-    return build_app(engine, tok, base.with_(**cfg), model_name="fake", context_length=256,
-                     api_key=api_key)
+    return fake_app(tok, engine, api_key, model_name="fake", **{"default_max_tokens": 8, **cfg})[0]
 
 
 @pytest.fixture()

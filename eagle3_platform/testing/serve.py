@@ -143,6 +143,20 @@ class ThreadServer:
         self.thread.join(20)
 
 
+def fake_app(tokenizer, engine=None, api_key=None, model_name: str = "fake-model", **cfg):
+    """(app, engine): the real server app over a FakeEngine (3 word tokens a step) with small test
+    bounds; cfg overrides ServeConfig fields. Host "testserver" is what starlette's TestClient sends."""
+    from eagle3_platform.serve.config import ServeConfig
+    from eagle3_platform.serve.server import build_app
+
+    engine = engine or FakeEngine(word_token_ids(tokenizer), chunk=3)
+    base = ServeConfig(max_tokens=40, default_max_tokens=12, max_queue=16, max_body_bytes=20_000,
+                       allowed_hosts=("testserver",))
+    app = build_app(engine, tokenizer, base.with_(**cfg), model_name=model_name, context_length=256,
+                    api_key=api_key)
+    return app, engine
+
+
 def word_token_ids(tokenizer, text: str = "the quick brown fox jumps over the lazy dog ") -> list[int]:
     """Ids whose decoding is plain text, so streamed output is readable and stop strings work."""
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
