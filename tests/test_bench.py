@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -141,7 +143,8 @@ def test_report_files_from_results(tmp_path):
 
     def cell(tpot_s, tps, tau):
         return {"requests": 5, "failures": 0, "median_ttft_s": 0.05, "p90_ttft_s": 0.06,
-                "median_tpot_s": tpot_s, "p90_tpot_s": tpot_s, "median_latency_s": 1.0,
+                "median_tpot_s": tpot_s, "p10_tpot_s": tpot_s / 2, "p90_tpot_s": tpot_s * 2,
+                "median_latency_s": 1.0,
                 "output_tokens": 100, "wall_s": 5.0, "output_tok_per_s": tps, "tau": tau}
     runs = [{"endpoint": ep, "concurrency": c, "cells": {"all": cell(t, s, tau), "chat": cell(t, s, tau)}}
             for ep, t, s, tau in (("baseline", 0.04, 25.0, 1.0), ("eagle3", 0.02, 50.0, 2.4))
@@ -158,12 +161,18 @@ def test_report_files_from_results(tmp_path):
     for p in files["plots"]:
         assert open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     md = (tmp_path / "report.md").read_text()
-    assert "| eagle3 | 1 | all | 5 | 0 | 50.0 | 60.0 | 20.0 | 50.00 | 2.40 | 1.50 | 3.25 |" in md
-    assert "| baseline | 1 | all | 5 | 0 | 50.0 | 60.0 | 40.0 | 25.00 | 1.00 | - | - |" in md
-    assert "| eagle3 | 1 | chat | 5 | 0 | 50.0 | 60.0 | 20.0 | 50.00 | 2.40 | - | - |" in md
+    assert "| eagle3 | 1 | all | 5 | 0 | 50.0 | 60.0 | 20.0 | 10.0 | 40.0 | 50.00 | 2.40 | 1.50 | 3.25 |" in md
+    assert "| baseline | 1 | all | 5 | 0 | 50.0 | 60.0 | 40.0 | 20.0 | 80.0 | 25.00 | 1.00 | - | - |" in md
+    assert "| eagle3 | 1 | chat | 5 | 0 | 50.0 | 60.0 | 20.0 | 10.0 | 40.0 | 50.00 | 2.40 | - | - |" in md
+    assert "| p10 TPOT ms | p90 TPOT ms |" in md and "| requests |" in md
     assert "| draft size | batch size |" in md and "tpot_speedup" in md
+    assert "| 1 | 2.00× | 2.00× |" in md and "| 2 | 2.00× | 2.00× |" in md  # speedup per concurrency
+    assert "| all | 2.40 | 2.40 |" in md and "τ at c = 1 | τ at c = 2" in md
+    assert "**target**: unknown" in md and "**hardware**: unknown" in md  # no servers/environment given
+    assert "speedup_vs_concurrency.png" in [Path(p).name for p in files["plots"]]
     html = (tmp_path / "report.html").read_text()
-    assert html.count("data:image/png;base64,") == 4  # self-contained
+    assert html.count("data:image/png;base64,") == 5  # self-contained
+    assert "Speedup per concurrency" in html and "<td>2.00×</td>" in html
     assert json.loads((tmp_path / "results.json").read_text())["headline"]["tpot_speedup"] == 2.0
 
 
@@ -379,14 +388,57 @@ def test_bench_cli_against_tiny_target_servers(tmp_path, prompts_file, tiny_targ
     assert all(c["tau"] == pytest.approx(1.0) for c in base_cells)  # no draft: one token per step
 
 
-def test_tau_per_workload_is_pooled_over_concurrency():
-    from eagle3_platform.bench.report import tau_per_workload
+def test_tau_per_workload_is_kept_per_concurrency_level():
+    from eagle3_platform.bench.report import tau_per_level
 
-    runs = [{"endpoint": "eagle3", "concurrency": 1,
-             "cells": {"chat": {"accepted_tokens": 30, "verify_steps": 10, "tau": 3.0}}},
-            {"endpoint": "eagle3", "concurrency": 2,
+    runs = [{"endpoint": "eagle3", "concurrency": 2,
              "cells": {"chat": {"accepted_tokens": 10, "verify_steps": 10, "tau": 1.0},
                        "sg": {"verify_steps": 0, "tau": 2.5}}},
+            {"endpoint": "eagle3", "concurrency": 1,
+             "cells": {"chat": {"accepted_tokens": 30, "verify_steps": 10, "tau": 3.0}}},
             {"endpoint": "baseline", "concurrency": 1,
              "cells": {"chat": {"accepted_tokens": 5, "verify_steps": 5, "tau": 1.0}}}]
-    assert tau_per_workload({"runs": runs}) == {"chat": pytest.approx(2.0), "sg": 2.5}
+    got = tau_per_level({"runs": runs})
+    assert got == {"chat": {1: pytest.approx(3.0), 2: pytest.approx(1.0)}, "sg": {2: 2.5}}
+    assert list(got["chat"]) == [1, 2]  # ascending levels, not pooled (the pooled τ would be 2.0)
+
+
+def test_report_header_names_target_head_preset_hardware_date_commit(tmp_path):
+    from eagle3_platform.bench.report import header_facts, markdown
+    from eagle3_platform.bench.run import environment
+
+    env = environment()
+    assert env["date"].endswith("UTC") and env["cpus"] >= 1
+    results = {"servers": {"eagle3": {"target_id": "tiny-random", "draft": True, "spec": "tiny",
+                                      "head_weights": "packed", "dtype": "float32"}},
+               "environment": {**env, "cpu": "Some CPU", "cpus": 4, "gpu": "NVIDIA H200", "commit": "abc123"}}
+    facts = header_facts(results)
+    assert facts == {"target": "tiny-random", "head": "packed float32", "preset": "tiny",
+                     "hardware": "Some CPU (4 cores), NVIDIA H200", "date": env["date"], "commit": "abc123"}
+    cfg = {"prompts": str(tmp_path / ".staging" / "bench" / "prompts.jsonl"), "n_prompts": 1, "workloads": ["chat"],
+           "max_tokens": 8, "duration_s": 1, "concurrency": [1], "endpoints": {"eagle3": "u"}}
+    md = markdown({**results, "config": cfg, "runs": []}, [])
+    assert "**commit**: abc123" in md and "`prompts.jsonl`" in md and ".staging" not in md
+
+
+def test_environment_without_git_is_not_an_error(monkeypatch):
+    import shutil
+
+    from eagle3_platform.bench import run
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    env = run.environment()
+    assert env["commit"] is None and env["gpu"] is None and env["date"]
+
+
+def test_inline_images_turns_relative_plot_links_into_png_data_uris(tmp_path):
+    import base64
+
+    from eagle3_platform.bench.report import inline_images
+
+    png = b"\x89PNG\r\n\x1a\n" + b"0" * 20
+    (tmp_path / "a.png").write_bytes(png)
+    md = inline_images("text\n![a.png](a.png)\n![gone.png](gone.png)\n", tmp_path)
+    (uri,) = re.findall(r"!\[a\.png\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", md)
+    assert base64.b64decode(uri) == png
+    assert "![gone.png](gone.png)" in md  # a missing file is left as it was

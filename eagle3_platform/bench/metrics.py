@@ -57,6 +57,7 @@ def aggregate(records: Sequence[dict], wall_s: float | None = None) -> dict:
         "median_ttft_s": median(ttfts),
         "p90_ttft_s": percentile(ttfts, 90),
         "median_tpot_s": median(tpots),
+        "p10_tpot_s": percentile(tpots, 10),
         "p90_tpot_s": percentile(tpots, 90),
         "median_latency_s": median(r.get("latency_s") for r in ok),
         "output_tokens": tokens,

@@ -1,13 +1,16 @@
 """Benchmark report: results.json, report.md, self-contained report.html, PNG plots (matplotlib Agg).
 
 Plots: median TPOT vs concurrency, output throughput vs concurrency, median TTFT vs concurrency
-(one line per endpoint: baseline vs EAGLE-3), and τ per workload for the EAGLE-3 endpoint.
+(one line per endpoint: baseline vs EAGLE-3), the EAGLE-3/baseline speedup vs concurrency, and τ
+per workload per concurrency level for the EAGLE-3 endpoint. The header names the target, head,
+spec preset (from the servers' /server_info), hardware, date and git commit (run.environment).
 """
 from __future__ import annotations
 
 import base64
 import html
 import json
+import re
 from pathlib import Path
 
 from eagle3_platform.draft.metrics import acceptance_length
@@ -20,14 +23,16 @@ PLOTS = {
     "ttft_vs_concurrency.png": ("median_ttft_s", 1000.0, "median TTFT (ms)"),
 }
 TAU_PLOT = "tau_per_workload.png"
+SPEEDUP_PLOT = "speedup_vs_concurrency.png"
 COLUMNS = [("endpoint", None, "{}"), ("concurrency", None, "{}"), ("workload", None, "{}"),
            ("requests", 1, "{:d}"), ("failures", 1, "{:d}"), ("median_ttft_s", 1000, "{:.1f}"),
            ("p90_ttft_s", 1000, "{:.1f}"), ("median_tpot_s", 1000, "{:.1f}"),
+           ("p10_tpot_s", 1000, "{:.1f}"), ("p90_tpot_s", 1000, "{:.1f}"),
            ("output_tok_per_s", 1, "{:.2f}"), ("tau", 1, "{:.2f}"),
            # From the embedded server's /server_info histograms: "-" where not exposed (SGLang).
            ("mean_draft_size", 1, "{:.2f}", "-"), ("mean_batch_size", 1, "{:.2f}", "-")]
 HEADERS = ["endpoint", "concurrency", "workload", "requests", "failures", "median TTFT ms",
-           "p90 TTFT ms", "median TPOT ms", "output tok/s", "τ", "draft size", "batch size"]
+           "p90 TTFT ms", "median TPOT ms", "p10 TPOT ms", "p90 TPOT ms", "output tok/s", "τ", "draft size", "batch size"]
 
 
 def rows(results: dict, workload: str | None = ALL) -> list[dict]:
@@ -77,44 +82,132 @@ def plot_metric(results: dict, key: str, scale: float, ylabel: str, path: Path) 
     plt.close(fig)
 
 
-def tau_per_workload(results: dict, endpoint: str = "eagle3") -> dict[str, float]:
-    """τ per workload pooled over all concurrency levels: Σ accepted / Σ verify steps (cells
-    without per-request counters, e.g. SGLang, contribute their server-side τ as a plain mean)."""
-    pooled: dict[str, list[float]] = {}
-    means: dict[str, list[float]] = {}
-    for run in results["runs"]:
+def tau_per_level(results: dict, endpoint: str = "eagle3") -> dict[str, dict[int, float]]:
+    """{workload: {concurrency: τ}} of one endpoint. Levels are kept apart: batching changes what the
+    server drafts, so a τ pooled over levels hides that c = 1 accepts more than c = 8."""
+    out: dict[str, dict[int, float]] = {}
+    for run in sorted(results["runs"], key=lambda r: r["concurrency"]):
         if run["endpoint"] != endpoint:
             continue
         for w, cell in run["cells"].items():
-            if cell.get("verify_steps"):
-                acc = pooled.setdefault(w, [0.0, 0.0])
-                acc[0] += cell["accepted_tokens"]
-                acc[1] += cell["verify_steps"]
-            elif cell.get("tau") is not None:
-                means.setdefault(w, []).append(cell["tau"])
-    out = {w: acceptance_length(a, s) for w, (a, s) in pooled.items() if s}
-    out.update({w: sum(v) / len(v) for w, v in means.items() if w not in out})
+            tau = (acceptance_length(cell["accepted_tokens"], cell["verify_steps"])
+                   if cell.get("verify_steps") else cell.get("tau"))
+            if tau is not None:
+                out.setdefault(w, {})[run["concurrency"]] = tau
     return out
 
 
-def plot_tau(results: dict, path: Path) -> None:
+def speedups(results: dict) -> dict[int, dict[str, float | None]]:
+    """Per concurrency (ascending): baseline / EAGLE-3 median TPOT (> 1: EAGLE-3 faster per token) and
+    EAGLE-3 / baseline output throughput, over the all-workloads cells."""
+    cells = {(r["endpoint"], r["concurrency"]): r["cells"][ALL] for r in results["runs"]}
+    out = {}
+    for c in sorted({c for ep, c in cells if ep == "eagle3"}):
+        b, e = cells.get(("baseline", c)), cells[("eagle3", c)]
+        if b is None:
+            continue
+        out[c] = {"tpot_speedup": _ratio(b.get("median_tpot_s"), e.get("median_tpot_s")),
+                  "throughput_ratio": _ratio(e.get("output_tok_per_s"), b.get("output_tok_per_s"))}
+    return out
+
+
+def _ratio(a, b) -> float | None:
+    return a / b if a and b else None
+
+
+def _log2_axis(ax, cs: list[int]) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(cs, [str(c) for c in cs])
+    ax.set_xlabel("concurrency (users)")
+    ax.grid(True, alpha=0.3)
+
+
+def plot_speedup(results: dict, path: Path) -> bool:
+    """EAGLE-3 vs baseline ratios per concurrency; False (no file) without a baseline."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    vals_by_w = tau_per_workload(results)
+    sp = speedups(results)
+    if not sp:
+        return False
     fig, ax = plt.subplots(figsize=(6, 4))
-    names = sorted(vals_by_w, key=lambda w: (w == ALL, w))
-    vals = [vals_by_w[w] for w in names]
-    ax.bar(names, vals, color="tab:orange")
+    for key, label in (("tpot_speedup", "TPOT speedup (baseline / EAGLE-3)"),
+                       ("throughput_ratio", "throughput ratio (EAGLE-3 / baseline)")):
+        pts = [(c, v[key]) for c, v in sp.items() if v[key] is not None]
+        if pts:
+            ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", label=label)
+            for c, v in pts:
+                ax.annotate(f"{v:.2f}×", (c, v), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
     ax.axhline(1.0, color="gray", lw=1, ls="--")
-    ax.set_ylabel("acceptance length τ")
-    ax.set_title("EAGLE-3 acceptance length per workload")
-    for i, v in enumerate(vals):
-        ax.text(i, v, f"{v:.2f}", ha="center", va="bottom")
+    _log2_axis(ax, list(sp))
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel("ratio (×, > 1: EAGLE-3 better)")
+    ax.set_title("EAGLE-3 speedup vs concurrency")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return True
+
+
+def plot_tau(results: dict, path: Path) -> None:
+    """Grouped bars: τ per workload, one bar per concurrency level."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    taus = tau_per_level(results)
+    names = sorted(taus, key=lambda w: (w == ALL, w))
+    levels = sorted({c for v in taus.values() for c in v})
+    width = 0.8 / max(1, len(levels))
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(names) * max(1, len(levels)) / 2), 4))
+    for j, c in enumerate(levels):
+        xs = [i + (j - (len(levels) - 1) / 2) * width for i, w in enumerate(names) if c in taus[w]]
+        vs = [taus[w][c] for w in names if c in taus[w]]
+        ax.bar(xs, vs, width=width, label=f"c = {c}")
+        for x, v in zip(xs, vs):
+            ax.text(x, v, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(names)), names)
+    ax.axhline(1.0, color="gray", lw=1, ls="--")
+    ax.set_ylabel("acceptance length τ (tokens per verify step)")
+    ax.set_title("EAGLE-3 acceptance length per workload and concurrency")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def header_facts(results: dict) -> dict[str, str]:
+    """What was measured on what: target, head, spec preset, hardware, date, commit ('unknown' where
+    a server or the environment did not say)."""
+    info = (results.get("servers") or {}).get("eagle3") or {}
+    env = results.get("environment") or {}
+    head = "none" if not info.get("draft", True) else " ".join(
+        str(x) for x in (info.get("head_weights"), info.get("dtype")) if x) or "EAGLE-3 draft"
+    cpu = f"{env['cpu']} ({env['cpus']} cores)" if env.get("cpu") and env.get("cpus") else env.get("cpu")
+    hw = ", ".join(x for x in (cpu, env.get("gpu")) if x)
+    return {"target": str(info.get("target_id") or info.get("model_path") or info.get("model") or "unknown"),
+            "head": head, "preset": str(info.get("spec") or "unknown"), "hardware": hw or "unknown",
+            "date": str(env.get("date") or "unknown"), "commit": str(env.get("commit") or "unknown")}
+
+
+def _md_tau(results: dict) -> list[str]:
+    taus = tau_per_level(results)
+    levels = sorted({c for v in taus.values() for c in v})
+    if not taus:
+        return []
+    return ["| workload | " + " | ".join(f"τ at c = {c}" for c in levels) + " |", "|---|" + "---|" * len(levels),
+            *[f"| {w} | " + " | ".join(f"{taus[w][c]:.2f}" if c in taus[w] else "n/a" for c in levels) + " |"
+              for w in sorted(taus, key=lambda w: (w == ALL, w))]]
+
+
+def _md_speedups(results: dict) -> list[str]:
+    sp = speedups(results)
+    f = lambda v: "n/a" if v is None else f"{v:.2f}×"  # noqa: E731
+    return (["| concurrency | TPOT speedup (baseline / EAGLE-3) | throughput ratio (EAGLE-3 / baseline) |",
+             "|---|---|---|", *[f"| {c} | {f(v['tpot_speedup'])} | {f(v['throughput_ratio'])} |" for c, v in sp.items()]]
+            if sp else [])
 
 
 def warm_up_text(cfg: dict) -> str:
@@ -130,8 +223,11 @@ def warm_up_text(cfg: dict) -> str:
 def markdown(results: dict, plots: list[str]) -> str:
     h = results.get("headline", {})
     cfg = results["config"]
+    facts = header_facts(results)
     lines = ["# EAGLE-3 benchmark report", "",
-             f"Prompts: `{cfg['prompts']}` ({cfg['n_prompts']} records; workloads: "
+             " · ".join(f"**{k}**: {v}" for k, v in facts.items()), "",
+             # the prompts file by name: the path is the run's scratch dir, gone once it is published
+             f"Prompts: `{Path(cfg['prompts']).name}` ({cfg['n_prompts']} records; workloads: "
              f"{', '.join(cfg['workloads'])}); max_tokens {cfg['max_tokens']}; "
              f"{cfg['duration_s']} s per cell; concurrency {cfg['concurrency']}; "
              f"{warm_up_text(cfg)}.",
@@ -140,15 +236,16 @@ def markdown(results: dict, plots: list[str]) -> str:
              "## Headline", ""]
     for k, v in h.items():
         lines.append(f"- **{k}**: {_fmt(v)}")
-    taus = tau_per_workload(results)
-    if taus:
-        lines += ["", "τ per workload (EAGLE-3, pooled over concurrency): " +
-                  ", ".join(f"{w} {t:.2f}" for w, t in sorted(taus.items()))]
+    if sp := _md_speedups(results):
+        lines += ["", "## Speedup per concurrency", "", *sp]
+    if tau := _md_tau(results):
+        lines += ["", "## τ per workload and concurrency (EAGLE-3)", "", *tau]
     lines += ["", "## All workloads", "", *_md_table(table(rows(results)))]
     per_w = [r for r in rows(results, None) if r["workload"] != ALL]
     if per_w:
         lines += ["", "## Per workload", "", *_md_table(table(per_w))]
-    lines += ["", "TPOT = (latency − TTFT) / (output tokens − 1); τ = accepted tokens / verify "
+    lines += ["", "TPOT = (latency − TTFT) / (output tokens − 1), its spread p10–p90 over the cell's "
+              "requests; τ = accepted tokens / verify "
               "steps (SGLang's avg_spec_accept_length definition); draft size and batch size = "
               "mean draft tokens the server chose and mean running requests per decode step "
               "(server-wide, so in the all-workloads rows only; - where the server does not "
@@ -162,6 +259,20 @@ def markdown(results: dict, plots: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def inline_images(md: str, out_dir: str | Path) -> str:
+    """report.md with its relative PNG links replaced by data: URIs (for viewers, such as Dagster's
+    UI, that cannot resolve a link relative to the report's directory)."""
+    out_dir = Path(out_dir)
+
+    def src(m: re.Match) -> str:
+        p = out_dir / m.group(2)
+        if not p.is_file():
+            return m.group(0)
+        return f"![{m.group(1)}](data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()})"
+
+    return re.sub(r"!\[([^\]]*)\]\(([\w.-]+\.png)\)", src, md)
+
+
 def _md_table(body: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS),
             *["| " + " | ".join(r) + " |" for r in body]]
@@ -171,7 +282,7 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.3f}"
     if isinstance(v, dict):
-        return ", ".join(f"c={k}: {x:.2f}×" for k, x in v.items())
+        return ", ".join(f"c={k}: {x:.2f}×" for k, x in sorted(v.items(), key=lambda kv: int(kv[0])))
     return str(v)
 
 
@@ -190,14 +301,27 @@ def html_report(results: dict, out_dir: Path, plots: list[str]) -> str:
                    for k, v in results.get("headline", {}).items())
     per_w = [r for r in rows(results, None) if r["workload"] != ALL]
     cfg = html.escape(json.dumps(results["config"], indent=1))
+    facts = " · ".join(f"<b>{html.escape(k)}</b>: {html.escape(v)}" for k, v in header_facts(results).items())
+    extra = "".join(f"<h2>{title}</h2>{_md_to_html_table(md)}" for title, md in (
+        ("Speedup per concurrency", _md_speedups(results)),
+        ("τ per workload and concurrency (EAGLE-3)", _md_tau(results))) if md)
     return ("<!doctype html><html><head><meta charset='utf-8'><title>EAGLE-3 benchmark</title>"
             "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
             "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}"
             "figure{display:inline-block;margin:1em}</style></head><body>"
             "<h1>EAGLE-3 benchmark report</h1>"
-            f"<h2>Headline</h2><ul>{head}</ul><h2>All workloads</h2>{tab(table(rows(results)))}"
+            f"<p>{facts}</p>"
+            f"<h2>Headline</h2><ul>{head}</ul>{extra}<h2>All workloads</h2>{tab(table(rows(results)))}"
             + (f"<h2>Per workload</h2>{tab(table(per_w))}" if per_w else "")
             + f"<h2>Plots</h2>{imgs}<h2>Config</h2><pre>{cfg}</pre></body></html>")
+
+
+def _md_to_html_table(md_lines: list[str]) -> str:
+    """One of this module's own markdown tables (header, rule, rows) as an HTML table."""
+    cells = [[c.strip() for c in ln.strip("|").split("|")] for ln in md_lines]
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in cells[0])
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in cells[2:])
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 def write_report(results: dict, out_dir: str | Path) -> dict:
@@ -208,6 +332,8 @@ def write_report(results: dict, out_dir: str | Path) -> dict:
     for name, (key, scale, label) in PLOTS.items():
         plot_metric(results, key, scale, label, out_dir / name)
         plots.append(name)
+    if plot_speedup(results, out_dir / SPEEDUP_PLOT):
+        plots.append(SPEEDUP_PLOT)
     if any(r["endpoint"] == "eagle3" for r in results["runs"]):
         plot_tau(results, out_dir / TAU_PLOT)
         plots.append(TAU_PLOT)

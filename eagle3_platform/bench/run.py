@@ -228,12 +228,39 @@ def run_benchmark(url: str, prompts_path: str | Path, concurrency=(1, 2, 4, 8),
                           "n_prompts": len(rows), "prompts_skipped_too_long": skipped,
                           "max_prompt_chars": max_prompt_chars, "workloads": sorted(set(wl)),
                           "endpoints": {k: v for k, v in endpoints}},
-               "servers": servers, "runs": runs}
+               "servers": servers, "environment": environment(), "runs": runs}
     results["headline"] = headline(results)
     if write_report:
         from eagle3_platform.bench.report import write_report as _write
         results["files"] = _write(results, out_dir)
     return results
+
+
+def environment() -> dict:
+    """Where the sweep ran, for the report's header: date (UTC), CPU model, GPU name (nvidia-smi,
+    when there is one) and the git commit of this checkout; None for what cannot be found (an
+    installed package has no git checkout: never an error)."""
+    import datetime
+    import platform
+    import shutil
+
+    def _out(cmd: list[str], cwd=None) -> str | None:
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=10, cwd=cwd)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else None
+
+    cpu = platform.processor() or None
+    try:
+        cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                    if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    gpu = _out(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]) if shutil.which("nvidia-smi") else None
+    commit = _out(["git", "rev-parse", "--short=12", "HEAD"], cwd=Path(__file__).parent) if shutil.which("git") else None
+    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "cpu": cpu, "cpus": os.cpu_count(), "gpu": gpu, "commit": commit}
 
 
 def select_prompts(rows: list[dict], max_chars: int | None) -> tuple[list[dict], int]:
