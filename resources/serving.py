@@ -73,8 +73,6 @@ class ServingResource(ConfigurableResource):
 
 
 def _thread_flags(n: int | None) -> list[str]:
-    """A preset's torch_threads override for `eagle3 serve`: n > 0 pins every thread count alike (a
-    shared box); 0 gives the target and the head every core; None keeps the serve preset's."""
-    if n is None:
-        return []
-    return (["--threads", str(n)] if n else []) + ["--target-threads", str(n), "--draft-threads", str(n)]
+    """A preset's torch_threads override for `eagle3 serve --threads`: n > 0 pins every thread count
+    alike (a shared box); 0 gives the target and the head every core; None keeps the serve preset's."""
+    return [] if n is None else ["--threads", str(n)]

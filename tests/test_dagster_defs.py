@@ -152,8 +152,8 @@ def test_serving_resource_passes_a_thread_override_to_the_embedded_server():
     from resources.serving import _thread_flags
 
     assert _thread_flags(None) == []  # the serve preset's own (demo/cpu: target and head every core)
-    assert _thread_flags(0) == ["--target-threads", "0", "--draft-threads", "0"]
-    assert _thread_flags(1) == ["--threads", "1", "--target-threads", "1", "--draft-threads", "1"]
+    assert _thread_flags(0) == ["--threads", "0"]  # serve: target and head every core
+    assert _thread_flags(1) == ["--threads", "1"]  # serve: every role on one thread
 
 
 def test_serving_resource_sglang_settings():

@@ -315,8 +315,7 @@ def test_corrupt_checkpoint_on_resume_is_named(tiny_target_dir, feats, tmp_path,
 
 @pytest.mark.parametrize("argv,flag", [
     (["serve", "--target", "t", "--max-tokens", "-5"], "--max-tokens"),
-    (["serve", "--target", "t", "--threads", "0"], "--threads"),
-    (["serve", "--target", "t", "--prefill-chunk", "0"], "--prefill-chunk"),
+    (["serve", "--target", "t", "--max-batch", "0"], "--max-batch"),
     (["eval", "--target", "t", "--prompts", "p.jsonl", "--max-new-tokens", "-1"], "--max-new-tokens"),
     (["eval", "--target", "t", "--prompts", "p.jsonl", "--max-new-tokens", "0"], "--max-new-tokens"),
     (["bench", "--url", "http://127.0.0.1:9", "--prompts", "p.jsonl", "--out", "r", "--max-tokens", "-2"],
@@ -335,10 +334,27 @@ def test_non_positive_counts_are_refused(argv, flag, capsys):
     assert f"{flag} must be >= 1" in line
 
 
-@pytest.mark.parametrize("flag", ["--target-threads", "--draft-threads"])
-def test_negative_target_and_draft_threads_are_refused(flag, capsys):
-    line = cli_error(capsys, "serve", "--target", "t", flag, "-1")
-    assert f"{flag} must be >= 0 (0 = every core)" in line
+def test_negative_serve_threads_are_refused(capsys):
+    line = cli_error(capsys, "serve", "--target", "t", "--threads", "-1")
+    assert "--threads must be >= 0 (0 = every core)" in line
+
+
+def test_serve_threads_set_every_role_and_the_rest_stays_the_preset():
+    """--threads N pins the target's, the head's and the rest's threads alike; 0 gives the target
+    and the head every core and keeps the preset's for the rest; omitted, the preset's split."""
+    from eagle3_platform.cli import build_parser
+    from eagle3_platform.cli.serve import serve_config
+    from eagle3_platform.serve.config import PRESETS
+
+    def cfg(*flags):
+        return serve_config(build_parser().parse_args(["serve", "--target", "t", *flags]))
+
+    assert cfg() == PRESETS["demo"]
+    two = cfg("--threads", "2")
+    assert (two.torch_threads, two.target_threads, two.draft_threads) == (2, 2, 2)
+    every = cfg("--threads", "0", "--preset", "tiny")
+    assert (every.torch_threads, every.target_threads, every.draft_threads) == (1, 0, 0)
+    assert every.prefill_chunk == PRESETS["tiny"].prefill_chunk  # scheduler constants: the preset's
 
 
 def test_same_feature_dir_twice_is_refused(tiny_target_dir, feats, tmp_path, capsys):

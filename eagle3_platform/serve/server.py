@@ -558,7 +558,7 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path | None = None, sp
     if cfg.answer_tokens and draft is not None:  # read only where it drafts (off by default)
         answers = load_answer_ngrams(draft_dir)
         if answers is None and answer_tokens:
-            raise ValueError(f"--answer-tokens {answer_tokens}: {draft_dir} has no answer n-gram table "
+            raise ValueError(f"answer_tokens {answer_tokens}: {draft_dir} has no answer n-gram table "
                              "(heads trained before it existed; train the head again)")
     engine = SpecEngine(target, draft, cfg, target_threads, draft_threads, answers)
     info = {"target_id": target.meta.get("target_id"), "draft": draft is not None, "dtype": target.meta["dtype"],
