@@ -3,16 +3,19 @@
 Locust monkey-patches sockets (gevent), so it never runs inside Dagster's process: the asset starts
 both endpoints, then runs `eagle3 bench` as its own process and publishes the report directory."""
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
-from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
+from dagster import (AssetExecutionContext, MaterializeResult, MetadataValue, TableColumn, TableRecord, TableSchema,
+                     asset)
 
 from eagle3_platform.cli.summary import run_with_summary
 
 from assets.deploy import deployment
-from assets.metadata import summary_metadata
+from assets.metadata import OWNERS, dict_table, location, png_markdown, rounded, summary_metadata
 from assets.partitions import Keys, workload_partitions
 from resources import PresetResource, ServingResource, StorageResource, TargetResource
 from resources.storage import PROJECT_ROOT
@@ -33,17 +36,20 @@ def heldout_prompts(storage: StorageResource, out) -> dict:
     return counts
 
 
-def bench_args(cfg, url: str, baseline: str, prompts, out, duration_s: int | None = None) -> list[str]:
-    """`eagle3 bench` argv from the preset's BenchConfig (duration_s, when given, overrides it)."""
+def bench_args(cfg, url: str, baseline: str, prompts, out, duration_s: int | None = None,
+               preset: str = "demo") -> list[str]:
+    """`eagle3 bench` argv from the preset's BenchConfig (duration_s, when given, overrides it); the
+    warm-up and stop timeout the command reads from the preset itself."""
     return ["bench", "--url", url, "--baseline-url", baseline, "--prompts", str(prompts), "--out", str(out),
             "--concurrency", ",".join(map(str, cfg.concurrency)), "--duration", str(duration_s or cfg.duration_s),
-            "--max-tokens", str(cfg.max_tokens), "--warmup-requests", str(cfg.warmup_requests),
-            "--warmup-waves", str(cfg.warmup_waves)]
+            "--max-tokens", str(cfg.max_tokens), "--preset", preset]
 
 
-@asset(deps=[deployment], group_name="serving", kinds={"locust"})
+@asset(deps=[deployment], group_name="serving", kinds={"locust"}, owners=OWNERS)
 def benchmark_report(context: AssetExecutionContext, storage: StorageResource, target: TargetResource,
                      serving: ServingResource, preset: PresetResource) -> MaterializeResult:
+    """Baseline vs EAGLE-3 under a Locust concurrency sweep on the held-out prompts: TPOT, TTFT,
+    throughput and speedup per concurrency, τ per workload; the report and its plots on this page."""
     export = storage.fetch_dir(Keys.EXPORT)
     out = storage.staging(Keys.BENCH, context.run.run_id)
     counts = heldout_prompts(storage, out / "prompts.jsonl")
@@ -55,20 +61,72 @@ def benchmark_report(context: AssetExecutionContext, storage: StorageResource, t
                               compute=preset.compute())
         try:
             args = bench_args(preset.area("bench"), spec.url, base.url, out / "prompts.jsonl",
-                              out / "report", serving.bench_duration_s)
+                              out / "report", serving.bench_duration_s, preset.name)
             summary = _run_cli(context, args, serving.api_key)
         finally:
             spec.stop()
     finally:
         base.stop()
-    report_md = out / "report" / "report.md"
-    md = report_md.read_text() if report_md.exists() else "(no report.md)"
-    uri = storage.publish_from(out, Keys.BENCH)
-    return MaterializeResult(metadata={
-        "report": MetadataValue.md(md), "report_uri": MetadataValue.path(f"{uri}/report/report.md"),
-        "report_html_uri": MetadataValue.path(f"{uri}/report/report.html"),
-        "heldout_prompts": MetadataValue.json(counts), **target.lineage(),
-        **summary_metadata({k: v for k, v in (summary.get("headline") or {}).items() if v is not None})})
+    report = report_metadata(out / "report", storage.uri(Keys.BENCH))  # read before publishing moves it
+    storage.publish_from(out, Keys.BENCH)
+    return MaterializeResult(metadata={**report,
+                                       "heldout_prompts": dict_table(counts, "workload", "prompts"),
+                                       **target.lineage(), **summary_metadata(_headline(summary))})
+
+
+def _headline(summary: dict) -> dict:
+    """The CLI summary's headline, less what report_metadata shows as tables (per-concurrency ratios)."""
+    return {k: v for k, v in (summary.get("headline") or {}).items() if v is not None and not isinstance(v, dict)}
+
+
+# The plots shown on the asset page, each its own entry (in this order), from eagle3_platform.bench.report.
+PLOT_ENTRIES = {"plot_tpot": "tpot_vs_concurrency.png", "plot_throughput": "throughput_vs_concurrency.png",
+                "plot_ttft": "ttft_vs_concurrency.png", "plot_speedup": "speedup_vs_concurrency.png",
+                "plot_tau": "tau_per_workload.png"}
+CELL_COLUMNS = [("endpoint", "string"), ("concurrency", "int"), ("requests", "int"), ("failures", "int"),
+                ("median_ttft_ms", "float"), ("median_tpot_ms", "float"), ("p10_tpot_ms", "float"),
+                ("p90_tpot_ms", "float"), ("output_tok_per_s", "float"), ("tau", "float")]
+
+
+def report_metadata(report_dir: Path, uri: str) -> dict:
+    """The published report as the asset page shows it: each plot inline (PNG data URIs), the report's
+    text with its plots inline, the cells and speedups as typed tables (concurrency ascending), and
+    where the report files lie (`uri`: the published copy of the run's directory)."""
+    from eagle3_platform.bench.report import inline_images, speedups, tau_per_level
+
+    results = json.loads((report_dir / "results.json").read_text())
+    meta = {name: png_markdown({file: (report_dir / file).read_bytes()})
+            for name, file in PLOT_ENTRIES.items() if (report_dir / file).is_file()}
+    md = report_dir / "report.md"
+    meta["report"] = MetadataValue.md(inline_images(md.read_text(), report_dir) if md.exists() else "(no report.md)")
+    meta["cells"] = MetadataValue.table([TableRecord(_cell_record(r)) for r in sorted(
+        results["runs"], key=lambda r: (r["concurrency"], r["endpoint"] != "baseline"))],
+        schema=TableSchema(columns=[TableColumn(n, t) for n, t in CELL_COLUMNS]))
+    sp = speedups(results)
+    meta["speedup_by_concurrency"] = MetadataValue.table(
+        [TableRecord({"concurrency": c, **{k: rounded(v) for k, v in r.items() if v is not None}})
+         for c, r in sp.items()],
+        schema=TableSchema(columns=[TableColumn("concurrency", "int"), TableColumn("tpot_speedup", "float"),
+                                    TableColumn("throughput_ratio", "float")]))
+    taus = tau_per_level(results)
+    levels = sorted({c for v in taus.values() for c in v})
+    meta["tau_by_workload"] = MetadataValue.table(
+        [TableRecord({"workload": w, **{f"c{c}": rounded(v[c]) for c in levels if c in v}}) for w, v in taus.items()],
+        schema=TableSchema(columns=[TableColumn("workload", "string"),
+                                    *[TableColumn(f"c{c}", "float", description=f"τ at concurrency {c}")
+                                      for c in levels]]))
+    meta.update({"report_uri": location(f"{uri}/report/report.md"),
+                 "report_html_uri": location(f"{uri}/report/report.html")})
+    return meta
+
+
+def _cell_record(run: dict) -> dict:
+    a = run["cells"]["all"]
+    ms = {f"{k}_ms": rounded(a[f"{k}_s"] * 1000) for k in ("median_ttft", "median_tpot", "p10_tpot", "p90_tpot")
+          if a.get(f"{k}_s") is not None}
+    return {"endpoint": run["endpoint"], "concurrency": run["concurrency"], "requests": a.get("requests", 0),
+            "failures": a.get("failures", 0), **ms,
+            **{k: rounded(a[k]) for k in ("output_tok_per_s", "tau") if a.get(k) is not None}}
 
 
 def _run_cli(context, args: list[str], api_key: str | None = None) -> dict:

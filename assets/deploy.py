@@ -8,6 +8,7 @@ import time
 from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
 
 from assets.draft import draft_head
+from assets.metadata import OWNERS, location
 from assets.partitions import Keys
 from resources import PresetResource, ServingResource, StorageResource, TargetResource
 
@@ -28,9 +29,11 @@ def smoke(url: str, headers: dict) -> dict:
             "server_info": info}
 
 
-@asset(deps=[draft_head], group_name="serving", kinds={"fastapi"})
+@asset(deps=[draft_head], group_name="serving", kinds={"fastapi"}, owners=OWNERS)
 def deployment(context: AssetExecutionContext, storage: StorageResource, target: TargetResource,
                serving: ServingResource, preset: PresetResource) -> MaterializeResult:
+    """The exported head behind an OpenAI-compatible endpoint, proven by /health, /server_info and one
+    chat completion; `running` says whether the server outlives this run (keep_running)."""
     export = storage.fetch_dir(Keys.EXPORT)
     log = storage.local_path("deployment/server.log")
     handle = serving.launch(target.dir(), export, log_path=log, preset=preset.name,
@@ -47,7 +50,7 @@ def deployment(context: AssetExecutionContext, storage: StorageResource, target:
             "health": "ok", **{k: v for k, v in checks.items() if k != "server_info"}}
     storage.storage().put_bytes(Keys.DEPLOYMENT, json.dumps(desc, indent=2).encode())
     return MaterializeResult(metadata={
-        "mode": desc["mode"], "url": MetadataValue.url(handle.url), "running": str(desc["running"]),
-        "smoke_latency_s": checks["smoke_latency_s"],
+        "mode": desc["mode"], "url": MetadataValue.url(handle.url), "running": MetadataValue.bool(bool(desc["running"])),
+        "smoke_latency_s": MetadataValue.float(checks["smoke_latency_s"]),
         "server_info": MetadataValue.json(checks["server_info"]),
-        "deployment_uri": MetadataValue.path(storage.uri(Keys.DEPLOYMENT)), **target.lineage()})
+        "deployment_uri": location(storage.uri(Keys.DEPLOYMENT)), **target.lineage()})

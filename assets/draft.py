@@ -10,7 +10,8 @@ from pathlib import Path
 from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
 
 from assets.features import feature_shards, features_for
-from assets.metadata import REBUILD_TAG, last_metadata, summary_metadata
+from assets.metadata import (OWNERS, REBUILD_TAG, dict_table, figure_png, last_metadata, location, png_markdown,
+                             rounded, summary_metadata)
 from assets.partitions import Keys
 from assets.versions import code_version, settings_blob
 from eagle3_platform.draft.stages import ExportRequest, TrainRequest, VocabRequest
@@ -42,7 +43,7 @@ def train_settings_hash(preset: PresetResource, target: TargetResource) -> str:
     return hashlib.sha256(settings_blob("draft_head", preset, target).encode()).hexdigest()
 
 
-@asset(deps=[feature_shards], group_name="draft", kinds={"pytorch", "safetensors"})
+@asset(deps=[feature_shards], group_name="draft", kinds={"pytorch", "safetensors"}, owners=OWNERS)
 def draft_vocab(context: AssetExecutionContext, storage: StorageResource, target: TargetResource,
                 preset: PresetResource, compute: ComputeResource) -> MaterializeResult:
     """The Vd most frequent loss-masked response tokens over all workloads (d2t/t2d)."""
@@ -54,12 +55,12 @@ def draft_vocab(context: AssetExecutionContext, storage: StorageResource, target
                                                 out=str(out), preset=preset.name))
     uri = storage.publish_from(out.parent, Keys.VOCAB)
     return MaterializeResult(metadata={
-        "workloads": ", ".join(features_for(storage, target, "train")), "vocab_uri": MetadataValue.path(uri),
+        "workloads": ", ".join(features_for(storage, target, "train")), "vocab_uri": location(uri),
         "target_vocab_size": summary["vocab_size"], **target.lineage(),
         **summary_metadata({k: v for k, v in summary.items() if k not in ("vocab", "stats")})})
 
 
-@asset(deps=[draft_vocab, feature_shards], group_name="draft", kinds={"pytorch", "safetensors"})
+@asset(deps=[draft_vocab, feature_shards], group_name="draft", kinds={"pytorch", "safetensors"}, owners=OWNERS)
 def draft_head(context: AssetExecutionContext, storage: StorageResource, target: TargetResource,
                preset: PresetResource, compute: ComputeResource) -> MaterializeResult:
     """TTT-trained EAGLE-3 head, scored on held-out features, exported for SGLang."""
@@ -82,17 +83,20 @@ def draft_head(context: AssetExecutionContext, storage: StorageResource, target:
     ckpt_uri = storage.publish_from(ckpt, Keys.DRAFT)
     heldout = summary.get("eval_simulated_acceptance")  # absent when no eval split has features
     warm = summary.get("warm_start") or {}
+    history, heldout_acc = summary.get("history") or [], (summary.get("eval") or {}).get("acc", [])
     return MaterializeResult(metadata={
         "warm_start": (f"from the published head ({warm['init_sha256'][:12]}): {warm['lm_head_rows_kept']} "
                        f"lm_head rows kept, {warm['lm_head_rows_new']} new") if warm else f"no: {why}",
         "warm_start_version": version, "inputs_sha256": inputs,
-        **({"heldout_simulated_acceptance": float(heldout)} if heldout is not None else {}),
-        "train_simulated_acceptance": float(summary.get("train_simulated_acceptance", 0.0)),
-        "heldout_acc_k": MetadataValue.json((summary.get("eval") or {}).get("acc", [])),
+        **({"heldout_simulated_acceptance": MetadataValue.float(rounded(float(heldout)))} if heldout is not None else {}),
+        "train_simulated_acceptance": MetadataValue.float(rounded(float(summary.get("train_simulated_acceptance", 0.0)))),
+        "heldout_acc_k": dict_table({str(k): float(a) for k, a in enumerate(heldout_acc)}, "position k", "acceptance"),
+        **({"final_loss": MetadataValue.float(rounded(float(history[-1]["loss"])))} if history else {}),
+        "training_curves": training_curves(history, heldout_acc),
         "workloads": ", ".join(features_for(storage, target, "train")),
         "eval_workloads": ", ".join(features_for(storage, target, "eval")), **target.lineage(),
-        "export_uri": MetadataValue.path(export_uri), "checkpoint_uri": MetadataValue.path(ckpt_uri),
-        "loss_curve": MetadataValue.md(loss_table(summary.get("history") or [])),
+        "export_uri": location(export_uri), "checkpoint_uri": location(ckpt_uri),
+        "loss_curve": MetadataValue.md(loss_table(history)),
         **summary_metadata({k: v for k, v in summary.items()
                             if k in ("steps", "epochs", "samples", "samples_left_out", "train_tokens",
                                      "train_tokens_per_s", "resumed_from", "compute_dtype", "device")}),
@@ -121,6 +125,39 @@ def _warm_start_from(context, storage: StorageResource, preset: PresetResource, 
         return None, "the published head is gone"
     weights, _ = (storage.fetch(f) for f in files)  # both land in one local dir (a bucket's: a cache)
     return weights.parent, ""
+
+
+def training_curves(history: list[dict], heldout_acc: list[float]) -> MetadataValue:
+    """The training loss and acceptance curves (and the held-out acceptance per draft position) as
+    PNG images inline in markdown, so the asset page shows them."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not history:
+        return MetadataValue.md("(no training history)")
+    steps = [h["step"] for h in history]
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.6))
+    ax_loss.plot(steps, [h["loss"] for h in history], marker=".", color="tab:blue")
+    ax_loss.set(xlabel="training step", ylabel="TTT loss", title="training loss")
+    ax_acc.plot(steps, [h["acc"][0] for h in history], marker=".", label="acc_0 (first draft token)")
+    ax_acc.set(xlabel="training step", ylabel="acceptance rate", ylim=(0, 1), title="acceptance (train)")
+    twin = ax_acc.twinx()
+    twin.plot(steps, [h["simulated_acceptance"] for h in history], color="tab:orange", marker=".",
+              label="simulated acceptance length")
+    twin.set_ylabel("simulated acceptance length (tokens)")
+    ax_acc.legend(loc="lower left", fontsize=8)
+    twin.legend(loc="lower right", fontsize=8)
+    for ax in (ax_loss, ax_acc):
+        ax.grid(True, alpha=0.3)
+    images = {"training loss and acceptance": figure_png(fig)}
+    if heldout_acc:
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        ax.bar([str(k) for k in range(len(heldout_acc))], heldout_acc, color="tab:green")
+        ax.set(xlabel="draft position k", ylabel="acceptance rate", ylim=(0, 1),
+               title="held-out acceptance per draft position")
+        images["held-out acceptance per position"] = figure_png(fig)
+    return png_markdown(images)
 
 
 def loss_table(history: list[dict], rows: int = 12) -> str:

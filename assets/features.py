@@ -10,7 +10,7 @@ from pathlib import Path
 from dagster import (AssetCheckResult, AssetCheckSpec, AssetExecutionContext, MaterializeResult,
                      MetadataValue, asset)
 
-from assets.metadata import summary_metadata
+from assets.metadata import OWNERS, location, summary_metadata
 from assets.partitions import SPLITS, Keys, workload_partitions
 from assets.sensors import REBUILD_WHEN_UPSTREAM_CHANGED
 from assets.responses import target_responses
@@ -98,7 +98,7 @@ def verify_stored(storage: StorageResource, target: TargetResource, w: str) -> A
 
 @asset(partitions_def=workload_partitions, automation_condition=REBUILD_WHEN_UPSTREAM_CHANGED,
        deps=[target_responses], group_name="features",
-       kinds={"pytorch", "safetensors"},
+       kinds={"pytorch", "safetensors"}, owners=OWNERS,
        check_specs=[AssetCheckSpec("shards_verify", asset="feature_shards", blocking=True,
                                    description="stored shards match the manifest sha256 + this target")])
 def feature_shards(context: AssetExecutionContext, storage: StorageResource, target: TargetResource,
@@ -110,8 +110,8 @@ def feature_shards(context: AssetExecutionContext, storage: StorageResource, tar
     meta = {"workload": w, "preset": preset.name, **target.lineage(),
             **{k: str(header[k]) for k in ("template_hash", "tokenizer_hash", "dtype", "compute_dtype", "max_length")
                if k in header},
-            "features_uri": MetadataValue.path(res["train"]["uri"]),
-            "eval_features_uri": MetadataValue.path(res["eval"]["uri"])}
+            "features_uri": location(res["train"]["uri"]),
+            "eval_features_uri": location(res["eval"]["uri"])}
     for s in SPLITS:
         meta.update(summary_metadata({k: v for k, v in res[s].items() if k not in LOCAL_KEYS},
                                      prefix="" if s == "train" else "eval_"))

@@ -6,7 +6,7 @@ import hashlib
 
 from dagster import AssetExecutionContext, DataVersion, MaterializeResult, MetadataValue, asset
 
-from assets.metadata import check_accounting, md_table
+from assets.metadata import OWNERS, check_accounting, dict_table, location
 from assets.partitions import SPLITS, Keys, workload_partitions
 from assets.sensors import REBUILD_WHEN_UPSTREAM_CHANGED
 from assets.sources import workload_sources
@@ -36,7 +36,7 @@ def _filter_split(context, w: str, split: str, storage, target, preset, compute)
 
 @asset(partitions_def=workload_partitions, automation_condition=REBUILD_WHEN_UPSTREAM_CHANGED,
        deps=[workload_sources], group_name="data",
-       kinds={"python", "jsonl"})
+       kinds={"python", "jsonl"}, owners=OWNERS)
 def filtered_prompts(context: AssetExecutionContext, storage: StorageResource, target: TargetResource,
                      preset: PresetResource, compute: ComputeResource) -> MaterializeResult:
     """Prompt records (kept) + rejection records with reasons; kept + rejected == read."""
@@ -56,8 +56,8 @@ def filtered_prompts(context: AssetExecutionContext, storage: StorageResource, t
         "read": tr["read"], "kept": tr["kept"], "rejected": tr["rejected"],
         "accounting": MetadataValue.text(f"{tr['kept']} + {tr['rejected']} == {tr['read']}"),
         "eval_read": ev["read"], "eval_kept": ev["kept"], "eval_rejected": ev["rejected"],
-        "rejections_by_reason": md_table(by_reason, "split:reason", "records"),
-        "kept_uri": MetadataValue.path(tr["kept_uri"]),
-        "rejected_uri": MetadataValue.path(tr["rejected_uri"]),
-        "eval_kept_uri": MetadataValue.path(ev["kept_uri"]),
+        "rejections_by_reason": dict_table(by_reason, "split:reason", "records"),
+        "kept_uri": location(tr["kept_uri"]),
+        "rejected_uri": location(tr["rejected_uri"]),
+        "eval_kept_uri": location(ev["kept_uri"]),
     })

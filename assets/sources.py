@@ -5,10 +5,13 @@ cron tick; `eagle3 run` runs the `observe_workload_sources` job)."""
 
 import warnings
 
-from dagster import BetaWarning, DataVersion, DataVersionsByPartition, observable_source_asset
+from dagster import (AssetObservation, BetaWarning, DataVersion, DataVersionsByPartition, MetadataValue,
+                     observable_source_asset)
 
 from assets.partitions import workload_partitions
 from assets.sensors import OBSERVE_SOURCES
+
+DATA_VERSION_TAG = "dagster/data_version"  # the tag Dagster reads an observed data version from
 
 
 def fingerprints(workloads=None) -> dict[str, str]:
@@ -28,4 +31,20 @@ warnings.filterwarnings("ignore", category=BetaWarning, message=".*observable_so
 def workload_sources(context) -> DataVersionsByPartition:
     fps = fingerprints()
     context.log.info("source fingerprints: " + ", ".join(f"{w}={v[:12]}" for w, v in fps.items()))
-    return DataVersionsByPartition({w: DataVersion(v) for w, v in fps.items()})
+    # Each partition's observation is logged here rather than returned: a returned
+    # DataVersionsByPartition carries no metadata, and the page should say what was observed. The
+    # event is the one Dagster would log (same data-version tag), plus that metadata.
+    for w, v in fps.items():
+        context.log_event(AssetObservation(asset_key=context.asset_key, partition=w, tags={DATA_VERSION_TAG: v},
+                                           metadata=observed(w, v)))
+    return DataVersionsByPartition({})
+
+
+def observed(workload: str, fingerprint: str) -> dict:
+    """What backs one workload now: its files, their total size, and the fingerprint."""
+    from eagle3_platform.data.sources.workload import source_files
+
+    files = [p for p in source_files(workload) if p.exists()]
+    return {"files": MetadataValue.int(len(files)), "bytes": MetadataValue.int(sum(p.stat().st_size for p in files)),
+            "file_names": MetadataValue.md("\n".join(f"- `{p.name}`" for p in files) or "(none)"),
+            "fingerprint": MetadataValue.text(fingerprint)}
