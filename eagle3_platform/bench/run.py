@@ -50,19 +50,14 @@ class BenchConfig:
     warmup_requests: int = WARMUP_REQUESTS  # per endpoint, before the sweep, not measured (0 = none)
     warmup_waves: int = WARMUP_WAVES        # per endpoint and level c > 1: waves of c requests at once
     slack_s: int = 120                  # Locust start-up/shut-down allowance on a busy machine
-    # Prompts longer than this (characters of the sent turns) are left out, so a small context
-    # (tiny target: 2048) or a slow CPU prefill does not turn the sweep into a prefill benchmark.
-    max_prompt_chars: int | None = None
 
 
 PRESETS: dict[str, BenchConfig] = {
-    "tiny": BenchConfig(concurrency=(1, 2), duration_s=4, max_tokens=16, max_prompt_chars=1000),
+    "tiny": BenchConfig(concurrency=(1, 2), duration_s=4, max_tokens=16),
     # 5 levels x 2 endpoints x 24 s: the same measured time as the former 4 x 2 x 30 s, so adding
     # c=16 does not lengthen `eagle3 run --preset demo`.
-    "demo": BenchConfig(concurrency=(1, 2, 4, 8, 16), duration_s=24, max_tokens=64,
-                        max_prompt_chars=4000),
-    "cpu": BenchConfig(concurrency=(1, 2, 4, 8, 16), duration_s=30, max_tokens=64,
-                       max_prompt_chars=4000),
+    "demo": BenchConfig(concurrency=(1, 2, 4, 8, 16), duration_s=24, max_tokens=64),
+    "cpu": BenchConfig(concurrency=(1, 2, 4, 8, 16), duration_s=30, max_tokens=64),
     "full": BenchConfig(concurrency=(1, 2, 4, 8, 16, 32, 64), duration_s=120, max_tokens=256),
 }
 

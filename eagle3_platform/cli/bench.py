@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from eagle3_platform.cli.args import require_positive
+from eagle3_platform.cli.args import add_preset_arg, require_positive
 from eagle3_platform.store.checks import output_dir
 
 
@@ -27,33 +27,26 @@ def add_commands(sub) -> None:
     p.add_argument("--out", required=True, help="report directory")
     p.add_argument("--api-key", default=None, help="bearer key (default: $EAGLE3_API_KEY)")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--stop-timeout", type=int, default=None,
-                   help="seconds in-flight requests may finish after each run (default: duration)")
     p.add_argument("--max-prompt-chars", type=int, default=None,
-                   help="leave out prompts longer than this (characters of the sent turns)")
-    p.add_argument("--warmup-requests", type=int, default=None,
-                   help="requests each endpoint serves, one at a time, before the sweep (not measured; "
-                        "default: bench.run.WARMUP_REQUESTS)")
-    p.add_argument("--warmup-waves", type=int, default=None,
-                   help="then, per endpoint and concurrency level c > 1, waves of c requests sent at once "
-                        "(not measured; default: bench.run.WARMUP_WAVES)")
-    p.add_argument("--no-warmup", action="store_true", help="the same as --warmup-requests 0 --warmup-waves 0")
+                   help="leave out prompts longer than this (characters of the sent turns), so a small "
+                        "context or a slow CPU prefill does not make the sweep a prefill benchmark")
+    add_preset_arg(p)  # the warm-up before the sweep and the stop timeout: the preset's BenchConfig
     p.set_defaults(func=bench)
 
 
 def bench(a) -> dict:
-    from eagle3_platform.bench.run import WARMUP_REQUESTS, WARMUP_WAVES, run_benchmark
+    from eagle3_platform.bench.run import PRESETS, run_benchmark
 
     output_dir(a.out)
     require_positive(max_tokens=a.max_tokens, duration=a.duration)
-    warmup = 0 if a.no_warmup else WARMUP_REQUESTS if a.warmup_requests is None else a.warmup_requests
-    waves = 0 if a.no_warmup else WARMUP_WAVES if a.warmup_waves is None else a.warmup_waves
+    cfg = PRESETS[a.preset]
     if not os.path.exists(a.prompts):
         raise FileNotFoundError(f"prompts file not found: {a.prompts}")
     res = run_benchmark(a.url, a.prompts, concurrency=_ints(a.concurrency), duration_s=a.duration,
                         out_dir=a.out, baseline_url=a.baseline_url,
                         api_key=a.api_key or os.environ.get("EAGLE3_API_KEY"),
-                        max_tokens=a.max_tokens, stop_timeout_s=a.stop_timeout,
-                        warmup_requests=warmup, warmup_waves=waves, max_prompt_chars=a.max_prompt_chars)
+                        max_tokens=a.max_tokens, stop_timeout_s=cfg.stop_timeout_s,
+                        warmup_requests=cfg.warmup_requests, warmup_waves=cfg.warmup_waves,
+                        max_prompt_chars=a.max_prompt_chars)
     return {"out": a.out, "headline": res["headline"], "report": res["files"]["markdown"],
             "html": res["files"]["html"], "results": res["files"]["results"]}
