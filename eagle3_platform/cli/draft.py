@@ -16,9 +16,7 @@ def _train(args) -> dict:
                            eval_features=_dirs(args.eval_features), vocab=args.vocab, resume=args.resume,
                            init_from=args.init_from,
                            max_steps=args.max_steps, epochs=args.epochs, seed=args.seed,
-                           ckpt_every=args.ckpt_every, supervise=args.supervise,
-                           feature_noise=args.feature_noise, dtype=args.dtype,
-                           torch_threads=args.threads))
+                           ckpt_every=args.ckpt_every, dtype=args.dtype, torch_threads=args.threads))
     return {k: v for k, v in out.items() if k != "history"}  # the curve is in OUT/metrics.json
 
 
@@ -53,12 +51,6 @@ def add_commands(sub) -> None:
     p.add_argument("--epochs", type=int, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ckpt-every", type=int, default=None, help="optimizer steps between checkpoints")
-    p.add_argument("--supervise", choices=("response", "all"), default=None,
-                   help="positions the loss trains: response tokens, or all (prompt tokens too; the "
-                        "teacher is the target's distribution everywhere) (default: the preset's)")
-    p.add_argument("--feature-noise", type=float, default=None,
-                   help="uniform noise on the target features while training, relative to each layer's "
-                        "RMS, in [0, 1) (0 = none; default: the preset's)")
     add_compute_args(p)
     p.set_defaults(func=_train)
 
