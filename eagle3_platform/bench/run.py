@@ -140,7 +140,7 @@ def run_locust(url: str, label: str, concurrency: int, prompts_path: Path, cfg: 
                            f"{log_text[-2000:]}")
     if not recs:  # a slow endpoint: the cell stays (empty, flagged) and the sweep goes on
         print(f"[bench] WARNING: no request finished for {stem} within the run + stop timeout; "
-              "a longer --duration/--stop-timeout is needed", file=sys.stderr, flush=True)
+              "a longer --duration (or BenchConfig.stop_timeout_s) is needed", file=sys.stderr, flush=True)
     return recs
 
 
