@@ -463,7 +463,7 @@ def test_build_engine_takes_the_head_weights_setting(tiny_target_dir, tiny_expor
 
 
 def test_build_engine_takes_the_answer_tokens_setting_only_with_a_table(tiny_target_dir, tiny_export, tmp_path):
-    """--answer-tokens drafts from the export's answer table (off by default); an export without one
+    """answer_tokens (SpecConfig) drafts from the export's answer table (off by default); an export without one
     is refused rather than served silently without it."""
     import shutil
 
