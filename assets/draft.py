@@ -11,7 +11,7 @@ from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, ass
 
 from assets.features import feature_shards, features_for
 from assets.metadata import (OWNERS, REBUILD_TAG, dict_table, figure_png, last_metadata, location, png_markdown,
-                             rounded, summary_metadata)
+                             summary_metadata)
 from assets.partitions import Keys
 from assets.versions import code_version, settings_blob
 from eagle3_platform.draft.stages import ExportRequest, TrainRequest, VocabRequest
@@ -88,10 +88,10 @@ def draft_head(context: AssetExecutionContext, storage: StorageResource, target:
         "warm_start": (f"from the published head ({warm['init_sha256'][:12]}): {warm['lm_head_rows_kept']} "
                        f"lm_head rows kept, {warm['lm_head_rows_new']} new") if warm else f"no: {why}",
         "warm_start_version": version, "inputs_sha256": inputs,
-        **({"heldout_simulated_acceptance": MetadataValue.float(rounded(float(heldout)))} if heldout is not None else {}),
-        "train_simulated_acceptance": MetadataValue.float(rounded(float(summary.get("train_simulated_acceptance", 0.0)))),
+        **summary_metadata({**({"heldout_simulated_acceptance": float(heldout)} if heldout is not None else {}),
+                            "train_simulated_acceptance": float(summary.get("train_simulated_acceptance", 0.0)),
+                            **({"final_loss": float(history[-1]["loss"])} if history else {})}),
         "heldout_acc_k": dict_table({str(k): float(a) for k, a in enumerate(heldout_acc)}, "position k", "acceptance"),
-        **({"final_loss": MetadataValue.float(rounded(float(history[-1]["loss"])))} if history else {}),
         "training_curves": training_curves(history, heldout_acc),
         "workloads": ", ".join(features_for(storage, target, "train")),
         "eval_workloads": ", ".join(features_for(storage, target, "eval")), **target.lineage(),

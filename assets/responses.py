@@ -12,7 +12,7 @@ or a run tagged `eagle3/rebuild` (`eagle3 run --force`), starts afresh.
 
 import shutil
 
-from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
+from dagster import AssetExecutionContext, MaterializeResult, asset
 
 from assets.metadata import OWNERS, REBUILD_TAG, check_accounting, last_metadata, location, summary_metadata
 from assets.partitions import SPLITS, Keys, workload_partitions
