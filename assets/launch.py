@@ -16,7 +16,6 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from urllib.parse import unquote
 
 from dagster import AssetKey, AssetRecordsFilter, AssetSelection
 # The UI's own stale-status resolver and run machinery: private in Dagster (pinned in pyproject.toml).
@@ -28,7 +27,7 @@ from dagster._core.execution.execute_in_process import merge_run_tags
 from dagster._time import get_current_datetime
 
 from assets.jobs import JOB_OF, SERVE
-from assets.metadata import REBUILD_TAG
+from assets.metadata import REBUILD_TAG, location
 from resources.instance import job_origin, project_instance
 
 RUN_CONFIG = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
@@ -84,11 +83,13 @@ def _name(asset_partition) -> str:
     return asset_partition.asset_key.to_user_string() + (f"[{pk}]" if pk else "")
 
 
-def _stored(storage, uri: str) -> bool:
-    root = storage.uri("").rstrip("/")
-    if not uri.startswith(root):
+def _stored(storage, recorded: str) -> bool:
+    """Whether a recorded location (a path, or a file:// or gs:// URI) is still in storage."""
+    root = location(storage.uri("")).value.rstrip("/")  # the form the metadata records
+    where = location(recorded).value
+    if not where.startswith(root):
         return True  # not in this storage: nothing to check
-    key = unquote(uri[len(root):].strip("/"))  # file URIs are percent-encoded
+    key = where[len(root):].strip("/")
     return storage.exists(key) or bool(storage.list(key))
 
 

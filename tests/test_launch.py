@@ -10,11 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 from dagster import (AssetKey, DagsterInstance, DataVersion, DataVersionsByPartition, Definitions,
-                     MaterializeResult, MetadataValue, StaticPartitionsDefinition, asset, observable_source_asset)
+                     MaterializeResult, StaticPartitionsDefinition, asset, observable_source_asset)
 
 from assets import launch
 from assets.jobs import PARTITIONED, draft_job, observe_job, serve_job, workload_job
-from assets.metadata import REBUILD_TAG
+from assets.metadata import REBUILD_TAG, location
 from resources import StorageResource
 
 pytestmark = pytest.mark.filterwarnings("ignore::dagster.BetaWarning")  # observable sources are beta
@@ -68,7 +68,7 @@ def standins(root, source: dict, versions=None) -> Definitions:
             storage.local_path(key).write_text(text)
             # as the real prompts do: their data version names what they hold
             version = DataVersion(hashlib.sha256(text.encode()).hexdigest()) if name == "filtered_prompts" else None
-            return MaterializeResult(metadata={"out_uri": MetadataValue.path(storage.uri(key))}, data_version=version)
+            return MaterializeResult(metadata={"out_uri": location(storage.uri(key))}, data_version=version)
 
         return body
 
@@ -115,10 +115,24 @@ def test_missing_or_stale_as_dagster_reports_it(instance, tmp_path):
     assert reason(instance, defs, "draft_vocab", None) == "has a new dependency data version (feature_shards[code])"
 
     (tmp_path / "filtered_prompts" / "code").unlink()  # the stored output is gone although Dagster recorded it
-    assert reason(instance, defs, "filtered_prompts").startswith("output gone: file://")
+    assert reason(instance, defs, "filtered_prompts") == f"output gone: {tmp_path / 'filtered_prompts' / 'code'}"
     changed = standins(tmp_path, source, versions={"feature_shards": "2"})
     assert reason(instance, changed, "feature_shards") == "has a new code version"
     assert reason(instance, changed, "feature_shards", "chat") == "missing"
+
+
+def test_a_recorded_location_is_checked_in_either_form(tmp_path):
+    """Metadata records a local output as a path; materializations made before recorded a file:// URI."""
+    storage = StorageResource(root=str(tmp_path / "data dir"))
+    kept = tmp_path / "data dir" / "code" / "kept.jsonl"
+    kept.parent.mkdir(parents=True)
+    kept.write_text("{}\n")
+    for recorded in (str(kept), storage.uri("code/kept.jsonl")):
+        assert launch._stored(storage, recorded), recorded
+    kept.unlink()
+    for recorded in (str(kept), storage.uri("code/kept.jsonl")):
+        assert not launch._stored(storage, recorded), recorded
+    assert launch._stored(storage, "gs://elsewhere/x")  # not in this storage: nothing to check
 
 
 def test_a_step_is_a_run_of_its_named_job_from_the_first_stale_asset_on(instance, tmp_path):
