@@ -56,30 +56,37 @@ def table(rs: list[dict]) -> list[list[str]]:
     return [[_cell(r, *c) for c in COLUMNS] for r in rs]
 
 
-def plot_metric(results: dict, key: str, scale: float, ylabel: str, path: Path) -> None:
+def _figure(figsize):
+    """(fig, ax) on the file-only backend (no display in a server or a Dagster step)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    return plt.subplots(figsize=figsize)
+
+
+def _save(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_metric(results: dict, key: str, scale: float, ylabel: str, path: Path) -> None:
+    fig, ax = _figure(figsize=(6, 4))
     for ep in sorted({r["endpoint"] for r in results["runs"]}):
         pts = sorted((r["concurrency"], r["cells"][ALL].get(key)) for r in results["runs"]
                      if r["endpoint"] == ep)
         pts = [(c, v * scale) for c, v in pts if v is not None]
         if pts:
             ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", label=ep)
-    cs = sorted({r["concurrency"] for r in results["runs"]})
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(cs, [str(c) for c in cs])
+    _log2_axis(ax, sorted({r["concurrency"] for r in results["runs"]}))
     ax.set_ylim(bottom=0)
-    ax.set_xlabel("concurrency (users)")
     ax.set_ylabel(ylabel)
     ax.set_title(f"{ylabel} vs concurrency")
-    ax.grid(True, alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def tau_per_level(results: dict, endpoint: str = "eagle3") -> dict[str, dict[int, float]]:
@@ -124,14 +131,10 @@ def _log2_axis(ax, cs: list[int]) -> None:
 
 def plot_speedup(results: dict, path: Path) -> bool:
     """EAGLE-3 vs baseline ratios per concurrency; False (no file) without a baseline."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     sp = speedups(results)
     if not sp:
         return False
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = _figure(figsize=(6, 4))
     for key, label in (("tpot_speedup", "TPOT speedup (baseline / EAGLE-3)"),
                        ("throughput_ratio", "throughput ratio (EAGLE-3 / baseline)")):
         pts = [(c, v[key]) for c, v in sp.items() if v[key] is not None]
@@ -145,23 +148,17 @@ def plot_speedup(results: dict, path: Path) -> bool:
     ax.set_ylabel("ratio (×, > 1: EAGLE-3 better)")
     ax.set_title("EAGLE-3 speedup vs concurrency")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path)
     return True
 
 
 def plot_tau(results: dict, path: Path) -> None:
     """Grouped bars: τ per workload, one bar per concurrency level."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     taus = tau_per_level(results)
     names = sorted(taus, key=lambda w: (w == ALL, w))
     levels = sorted({c for v in taus.values() for c in v})
     width = 0.8 / max(1, len(levels))
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(names) * max(1, len(levels)) / 2), 4))
+    fig, ax = _figure(figsize=(max(6, 1.2 * len(names) * max(1, len(levels)) / 2), 4))
     for j, c in enumerate(levels):
         xs = [i + (j - (len(levels) - 1) / 2) * width for i, w in enumerate(names) if c in taus[w]]
         vs = [taus[w][c] for w in names if c in taus[w]]
@@ -173,9 +170,7 @@ def plot_tau(results: dict, path: Path) -> None:
     ax.set_ylabel("acceptance length τ (tokens per verify step)")
     ax.set_title("EAGLE-3 acceptance length per workload and concurrency")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def header_facts(results: dict) -> dict[str, str]:
