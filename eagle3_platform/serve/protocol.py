@@ -129,7 +129,7 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class _Sampling(BaseModel):
+class SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: StrictStr | None = None
     max_tokens: StrictInt | None = Field(default=None, ge=1)
@@ -188,7 +188,7 @@ class _Sampling(BaseModel):
         return []
 
 
-class ChatRequest(_Sampling):
+class ChatRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
@@ -207,7 +207,7 @@ class ChatRequest(_Sampling):
                  "function calls are not supported")]
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingRequest):
     prompt: StrictStr | list[StrictStr]
     logprobs: StrictInt | None = Field(default=None, ge=0, le=5)
     echo: StrictBool | None = None
@@ -229,7 +229,7 @@ class CompletionRequest(_Sampling):
                 ("suffix", bool(self.suffix), "suffix is not supported")]
 
 
-def validate(model: type[_Sampling], obj: dict) -> _Sampling:
+def validate(model: type[SamplingRequest], obj: dict) -> SamplingRequest:
     """The request, or an APIError(400) naming the first field that is wrong or unsupported."""
     from pydantic import ValidationError
 

@@ -205,7 +205,7 @@ class Service:
             raise too_large
         return bytes(body)
 
-    async def parse(self, request: Request, chat: bool, rid: str) -> tuple[P._Sampling, list[int]]:
+    async def parse(self, request: Request, chat: bool, rid: str) -> tuple[P.SamplingRequest, list[int]]:
         """Access, headers, body, JSON, schema, tokens: every failure is an APIError (a 4xx)."""
         self.check_access(request)
         self.check_content_type(request)
@@ -242,7 +242,7 @@ class Service:
                              param="prompt") from None
         return [int(i) for i in ids]
 
-    def budget(self, req: P._Sampling, n_prompt: int) -> int:
+    def budget(self, req: P.SamplingRequest, n_prompt: int) -> int:
         """max_tokens clamped by the server bound and by what is left of the context."""
         room = self.context_length - n_prompt
         if n_prompt == 0:
@@ -255,7 +255,7 @@ class Service:
         asked = req.requested_max_tokens() or self.cfg.default_max_tokens
         return min(asked, self.cfg.max_tokens, room)
 
-    def submit(self, ids: list[int], req: P._Sampling, max_new: int) -> tuple[Job, asyncio.Queue]:
+    def submit(self, ids: list[int], req: P.SamplingRequest, max_new: int) -> tuple[Job, asyncio.Queue]:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
