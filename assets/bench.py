@@ -13,6 +13,7 @@ from dagster import (AssetExecutionContext, MaterializeResult, MetadataValue, Ta
                      asset)
 
 from eagle3_platform.cli.summary import run_with_summary
+from eagle3_platform.progress import parse as parse_progress
 
 from assets.deploy import deployment
 from assets.metadata import OWNERS, dict_table, location, png_markdown, rounded, summary_metadata
@@ -134,7 +135,15 @@ def _run_cli(context, args: list[str], api_key: str | None = None) -> dict:
     context.log.info("eagle3 " + " ".join(args))
     env = {**os.environ, **({"EAGLE3_API_KEY": api_key} if api_key else {})}  # not on the command line
     rc, summary = run_with_summary([sys.executable, "-m", "eagle3_platform.cli", *args], cwd=PROJECT_ROOT, env=env,
-                                   stderr=subprocess.STDOUT, echo=lambda line: print(line, end="", flush=True))
+                                   stderr=subprocess.STDOUT, echo=lambda line: _echo(context, line))
     if not summary["ok"]:
         raise RuntimeError(f"eagle3 {args[0]} failed (exit {rc}): {summary['error']}")
     return summary
+
+
+def _echo(context, line: str) -> None:
+    """The command's output on this step's stdout; its progress lines (eagle3_platform.progress: the
+    sweep's cells done of all) in the run's log too, where the UI shows them."""
+    print(line, end="", flush=True)
+    if parse_progress(line):
+        context.log.info(line.rstrip("\n"))

@@ -80,7 +80,7 @@ def test_layering_checker_catches_a_violation(tmp_path):
 # neutral, importable from every layer: config composes each area's presets and stage dispatches to
 # each area's stages module, both when called (a function-local import, a module loaded by name),
 # never on import; those imports are the only ones that go up.
-LAYERS = {"store": 0, "config": 0, "stage": 0, "model": 1, "data": 2, "features": 2, "draft": 2,
+LAYERS = {"store": 0, "config": 0, "stage": 0, "progress": 0, "model": 1, "data": 2, "features": 2, "draft": 2,
           "spec": 3, "serve": 4, "bench": 4, "cli": 5, "testing": 5}
 DISPATCHERS = ("config", "stage")
 

@@ -24,6 +24,7 @@ import httpx
 
 from eagle3_platform.bench.metrics import aggregate, hist_between, tau_between, wall_time
 from eagle3_platform.bench.prompts import prompt_messages
+from eagle3_platform.progress import report as report_progress
 from eagle3_platform.store.records import read_jsonl, write_jsonl_atomic
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
@@ -190,10 +191,10 @@ def run_benchmark(url: str, prompts_path: str | Path, concurrency=(1, 2, 4, 8),
               + f", {cfg.max_tokens} tokens each …", file=sys.stderr, flush=True)
         warm_up(u, api_key, rows, cfg.warmup_requests, cfg.max_tokens, wave_levels, cfg.warmup_waves)
     servers = {label: server_info(u, api_key) for label, u in endpoints}
-    runs = []
+    runs, cells_total = [], len(cfg.concurrency) * len(endpoints)
     for level, c in enumerate(cfg.concurrency):
         for label, u in endpoints if level % 2 == 0 else endpoints[::-1]:
-            print(f"[bench] {label} c={c} for {cfg.duration_s}s …", file=sys.stderr, flush=True)
+            report_progress("bench", len(runs), cells_total, "cells", f"{label} c={c} for {cfg.duration_s}s …")
             before = server_info(u, api_key)
             t0 = time.time()
             recs = run_locust(u, label, c, prompts_path, cfg, out_dir, api_key)
@@ -213,9 +214,10 @@ def run_benchmark(url: str, prompts_path: str | Path, concurrency=(1, 2, 4, 8),
             runs.append({"endpoint": label, "url": u, "concurrency": c, "started": t0,
                          "cells": cells})
             a = cells[ALL]
-            print(f"[bench]   requests={a['requests']} failures={a['failures']} "
-                  f"median_tpot_ms={_ms(a['median_tpot_s'])} tok/s={_fmt(a['output_tok_per_s'])} "
-                  f"tau={_fmt(a['tau'])}", file=sys.stderr, flush=True)
+            report_progress("bench", len(runs), cells_total, "cells",
+                            f"{label} c={c}: requests={a['requests']} failures={a['failures']} "
+                            f"median_tpot_ms={_ms(a['median_tpot_s'])} tok/s={_fmt(a['output_tok_per_s'])} "
+                            f"tau={_fmt(a['tau'])}")
     results = {"config": {"concurrency": list(cfg.concurrency), "duration_s": cfg.duration_s,
                           "max_tokens": cfg.max_tokens, "warmup_requests": cfg.warmup_requests,
                           "warmup_waves": cfg.warmup_waves,

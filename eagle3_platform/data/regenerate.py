@@ -46,6 +46,7 @@ from typing import Callable
 
 from eagle3_platform.data.chat import BoundaryError, encode, eos_token_ids, render, render_prompt, template_hash
 from eagle3_platform.data.endpoint import ChatClient, EndpointRequestError, served_model
+from eagle3_platform.progress import report as report_progress
 from eagle3_platform.store.records import (BadRecord, ConversationRecord, JsonlAppender, PromptRecord, Rejection,
                                      atomic_write, drop_jsonl_rows, ignored_summary, line_rejection, parse_line,
                                      prompt_from_row, read_jsonl, read_lines, top_reasons, unknown_keys,
@@ -270,7 +271,8 @@ def finalize(c: Convo, tok, scanner, meta: dict, gen: dict) -> ConversationRecor
 
 
 class Progress:
-    """Periodic one-line progress on stderr: conversations done/total and generated tok/s. Answered
+    """Periodic one-line progress (eagle3_platform.progress: stderr, and the run's log under Dagster):
+    conversations done/total and generated tok/s. Answered
     turns count as they come (`turn`): a batch of long multi-turn conversations is written only when
     its last turn is answered, which can take many minutes."""
 
@@ -296,8 +298,8 @@ class Progress:
         if now - self.last >= self.every_s or self.done == self.total:
             self.last = now
             flight = f" (+{self.in_flight} in unfinished conversations)" if self.in_flight else ""
-            print(f"[regenerate] {self.done}/{self.total} conversations, {self.tokens} new tokens{flight}, "
-                  f"{self.tok_per_s():.1f} tok/s", file=sys.stderr, flush=True)
+            report_progress("regenerate", self.done, self.total, "conversations",
+                            f"{self.tokens} new tokens{flight}, {self.tok_per_s():.1f} tok/s")
 
     def tok_per_s(self) -> float:
         return (self.tokens + self.in_flight) / max(time.perf_counter() - self.t0, 1e-9)

@@ -38,6 +38,7 @@ from eagle3_platform.draft.ttt import TargetTop1, TTTLoss, batch_targets, collat
 from eagle3_platform.draft.vocab import load_vocab, save_vocab, vocab_from_features
 from eagle3_platform.draft.warm_start import warm_start
 from eagle3_platform.model.compute import autocast, resolve_device, resolve_dtype, set_threads
+from eagle3_platform.progress import Ticker
 from eagle3_platform.store.records import atomic_write, write_json_atomic
 
 METRICS, VOCAB, ANSWERS = "metrics.json", "vocab.safetensors", "answer_ngrams.safetensors"
@@ -381,8 +382,6 @@ def train(target_dir, feature_dirs, out_dir, cfg: TrainConfig, resume: bool = Fa
     """Train a head on the feature dirs; writes out_dir/{draft.safetensors, draft_config.json,
     metrics.json, vocab.safetensors}; returns the summary (also metrics.json). `init_from`: a draft
     dir to start from instead of a fresh init (warm_start)."""
-    from tqdm import tqdm
-
     target_dir, out_dir = Path(target_dir), Path(out_dir)
     feature_dirs = [str(d) for d in feature_dirs]
     if not feature_dirs:
@@ -423,9 +422,8 @@ def train(target_dir, feature_dirs, out_dir, cfg: TrainConfig, resume: bool = Fa
         model, device_ids=[device.index] if device.type == "cuda" else None)
     K, t0, tokens = cfg.ttt_steps, time.time(), 0
     acc_c, acc_n, loss_acc, n_acc = torch.zeros(K), torch.zeros(K), 0.0, 0
-    bar = tqdm(range(start, total), desc="train", file=sys.stderr, disable=rank != 0, initial=start,
-               total=total)
-    for step in bar:
+    ticker, shown = Ticker("train", total, "steps") if rank == 0 else None, ""
+    for step in range(start, total):
         stats, n_tok = _train_step(ddp, opt, params, ds, plan[step], top1, draft, run_cfg,
                                    lr_at(step, total, cfg), rank, world, step)
         loss_acc, n_acc = loss_acc + float(stats[0]), n_acc + 1
@@ -437,8 +435,10 @@ def train(target_dir, feature_dirs, out_dir, cfg: TrainConfig, resume: bool = Fa
             history.append({"step": step + 1, "loss": loss_acc / n_acc, "lr": lr_at(step, total, cfg),
                             "acc": acc, "simulated_acceptance": simulated_acceptance(acc),
                             "supervised": acc_n.long().tolist()})  # positions per step k since the last entry
-            bar.set_postfix(loss=f"{loss_acc / n_acc:.3f}", acc0=f"{acc[0]:.3f}")
+            shown = f"loss {loss_acc / n_acc:.3f}, acc0 {acc[0]:.3f}, "
             acc_c, acc_n, loss_acc, n_acc = torch.zeros(K), torch.zeros(K), 0.0, 0
+        if ticker:  # stderr and, under Dagster, the run's log (eagle3_platform.progress)
+            ticker.update(step + 1, f"{shown}{tokens / max(time.time() - t0, 1e-9):.0f} tok/s")
         if (step + 1) % cfg.ckpt_every == 0 or step + 1 == total:
             if rank == 0:
                 save_checkpoint(out_dir, draft, opt, {"step": step + 1, "history": history,

@@ -30,6 +30,7 @@ from eagle3_platform.features.shards import (MANIFEST, ShardError, check_shard, 
                                              write_manifest, write_shard)
 from eagle3_platform.model.compute import resolve_device, resolve_dtype
 from eagle3_platform.model.target import Target, load_target
+from eagle3_platform.progress import report as report_progress
 from eagle3_platform.store.records import (ConversationRecord, Rejection, remove_stale_tmp, top_reasons,
                                      write_jsonl_atomic)
 from eagle3_platform.store.storage import Mirror, Storage, storage_from_uri
@@ -302,7 +303,7 @@ def _run_shards(target, cfg, header, sink, slices) -> tuple[list[dict], list[str
             rows.append(previous[name])
             skipped.append(name)
             todo_tokens -= chunk_tokens
-            _log(f"shard {k + 1}/{total} {name}: verified, kept")
+            report_progress("extract", k + 1, total, "shards", f"{name}: verified, kept")
             continue
         t = time.perf_counter()
         row = write_shard(sink.local / name, compute_features(target, chunk, cfg), header)
@@ -313,9 +314,9 @@ def _run_shards(target, cfg, header, sink, slices) -> tuple[list[dict], list[str
         t_compute += time.perf_counter() - t
         done_tokens += chunk_tokens
         rate = done_tokens / max(t_compute, 1e-9)
-        _log(f"shard {k + 1}/{total} {name}: {row['samples']} samples, {row['tokens']} tokens, "
-             f"{time.perf_counter() - t:.1f}s; {rate:.0f} tok/s, "
-             f"eta {(todo_tokens - done_tokens) / rate:.0f}s")
+        report_progress("extract", k + 1, total, "shards",
+                        f"{name}: {row['samples']} samples, {row['tokens']} tokens, {time.perf_counter() - t:.1f}s, "
+                        f"{rate:.0f} tok/s, eta {(todo_tokens - done_tokens) / rate:.0f}s")
     return rows, written, skipped
 
 
