@@ -55,11 +55,13 @@ def benchmark_report(context: AssetExecutionContext, storage: StorageResource, t
     out = storage.staging(Keys.BENCH, context.run.run_id)
     counts = heldout_prompts(storage, out / "prompts.jsonl")
     tdir = target.dir()
+    # side by side (the sweep alternates between them), started one after the other; on SGLang each
+    # holds serving.bench_mem_fraction_static of the GPUs' memory, so both fit
     base = serving.launch(tdir, None, log_path=out / "baseline.log", preset=preset.name,
-                          port=serving.baseline_port, compute=preset.compute())
+                          port=serving.baseline_port, compute=preset.compute(), shared=True)
     try:
         spec = serving.launch(tdir, export, log_path=out / "eagle3.log", preset=preset.name,
-                              compute=preset.compute())
+                              compute=preset.compute(), shared=True)
         try:
             args = bench_args(preset.area("bench"), spec.url, base.url, out / "prompts.jsonl",
                               out / "report", serving.bench_duration_s, preset.name)

@@ -43,14 +43,17 @@ def deployment(context: AssetExecutionContext, storage: StorageResource, target:
     finally:
         if not serving.keep_running:
             handle.stop()
-    desc = {"mode": serving.resolved_mode(), "url": handle.url,
+    command = handle.describe() if hasattr(handle, "describe") else None  # SGLang's argv (api key masked)
+    desc = {"mode": serving.resolved_mode(), "url": handle.url, "launch_command": command,
             "running": serving.keep_running, "pid": handle.pid if serving.keep_running else None,
             "target_dir": str(target.dir()), "draft_export": storage.uri(Keys.EXPORT),
             "spec": serving.spec_name(preset.name), "preset": preset.name, **target.lineage(),
             "health": "ok", **{k: v for k, v in checks.items() if k != "server_info"}}
     storage.storage().put_bytes(Keys.DEPLOYMENT, json.dumps(desc, indent=2).encode())
     return MaterializeResult(metadata={
-        "mode": desc["mode"], "url": MetadataValue.url(handle.url), "running": MetadataValue.bool(bool(desc["running"])),
+        "mode": desc["mode"], "url": MetadataValue.url(handle.url),
+        "running": MetadataValue.bool(bool(desc["running"])),
+        **({"launch_command": MetadataValue.md(f"```\n{command}\n```")} if command else {}),
         "smoke_latency_s": MetadataValue.float(checks["smoke_latency_s"]),
         "server_info": MetadataValue.json(checks["server_info"]),
         "deployment_uri": location(storage.uri(Keys.DEPLOYMENT)), **target.lineage()})

@@ -21,9 +21,9 @@ def test_build_command_exact():
 
 
 def test_baseline_and_extras():
-    cmd = SGLangConfig("T", mem_fraction_static=0.8, extra_args=("--tp", "2")).build_command("py")
+    cmd = SGLangConfig("T", mem_fraction_static=0.8, extra_args=("--chunked-prefill-size", "4096")).build_command("py")
     assert "--speculative-algorithm" not in cmd
-    assert cmd[-4:] == ["--mem-fraction-static", "0.8", "--tp", "2"]
+    assert cmd[-4:] == ["--mem-fraction-static", "0.8", "--chunked-prefill-size", "4096"]
     # A draft without the three ints lets SGLang choose its defaults.
     cmd = SGLangConfig("T", "D").build_command("py")
     assert "--speculative-num-steps" not in cmd and "EAGLE3" in cmd
@@ -40,6 +40,10 @@ def test_baseline_and_extras():
     (dict(port=0), "port"),
     (dict(mem_fraction_static=1.5), "mem_fraction"),
     (dict(extra_args=("--port", "1")), "repeat"),
+    (dict(extra_args=("--tp=2",)), "repeat"),
+    (dict(tp_size=0), "tp_size"),
+    (dict(context_length=0), "context_length"),
+    (dict(dtype="fp8"), "dtype"),
 ])
 def test_validation_refuses(kw, msg):
     with pytest.raises(ValueError, match=msg):
@@ -50,6 +54,8 @@ def test_spec_v2_env_and_from_spec():
     from eagle3_platform.spec.config import PRESETS
     cfg = SGLangConfig.from_spec("T", "D", PRESETS["chain"], spec_v2=True)
     assert cfg.env() == {"SGLANG_ENABLE_SPEC_V2": "True"}
+    assert SGLangConfig("T", spec_v2=False).env() == {"SGLANG_ENABLE_SPEC_V2": "False"}
+    assert SGLangConfig("T").env() == {}  # SGLang's own default
     assert cfg.build_command("py")[cfg.build_command("py").index("--speculative-eagle-topk") + 1] == "1"
     assert "--speculative-algorithm" not in SGLangConfig.from_spec("T", None, PRESETS["tree"]).build_command()
     assert SGLangConfig.from_spec("T", "D", PRESETS["tree"]).num_draft_tokens == 12

@@ -2,17 +2,20 @@
 
 Flag names follow sgl-project/sglang `python/sglang/srt/server_args.py` (`model_path`,
 `speculative_algorithm`, `speculative_draft_model_path`, `speculative_num_steps`,
-`speculative_eagle_topk`, `speculative_num_draft_tokens`, `mem_fraction_static`, `host`, `port`;
-dataclass field → `--field-name`). The acceptance length is on `/server_info` (older releases:
+`speculative_eagle_topk`, `speculative_num_draft_tokens`, `mem_fraction_static`, `tp_size`,
+`context_length`, `dtype`, `host`, `port`; dataclass field → `--field-name`). The acceptance length is on `/server_info` (older releases:
 `/get_server_info`) as `internal_states[i].avg_spec_accept_length` (per DP rank) or, in older
 releases, top-level `avg_spec_accept_length`: a cumulative average since launch.
 SGLang's overlap scheduler for speculative decoding ("spec v2", env SGLANG_ENABLE_SPEC_V2) requires
 `--speculative-eagle-topk 1` (chain drafting).
+SGLang runs from an environment of its own (scripts/sglang_env.sh: it pins torch/transformers other
+than this project's), so the command starts with that environment's interpreter, not this one's.
 """
 from __future__ import annotations
 
 import importlib.util
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -31,7 +34,9 @@ HEALTH_TIMEOUT_S = 900.0   # first launch compiles kernels / captures CUDA graph
 OWNED_FLAGS = {"--model-path", "--model", "--speculative-algorithm", "--speculative-algo",
                "--speculative-draft-model-path", "--speculative-draft", "--speculative-num-steps",
                "--speculative-eagle-topk", "--speculative-num-draft-tokens", "--host", "--port",
-               "--mem-fraction-static"}
+               "--mem-fraction-static", "--tp-size", "--tp", "--tensor-parallel-size", "--context-length",
+               "--dtype", "--api-key"}
+DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float")
 
 
 @dataclass(frozen=True)
@@ -43,8 +48,11 @@ class SGLangConfig:
     num_draft_tokens: int | None = None
     host: str = "127.0.0.1"
     port: int = 30000
-    mem_fraction_static: float | None = None
-    spec_v2: bool = False                  # overlap scheduler for spec decoding (needs topk 1)
+    mem_fraction_static: float | None = None  # None: SGLang's own (most of the GPU: one server alone)
+    tp_size: int = 1                       # tensor-parallel GPUs of one server
+    context_length: int | None = None      # None: the model config's
+    dtype: str | None = None               # None: SGLang's "auto"
+    spec_v2: bool | None = None            # overlap scheduler for spec decoding (True needs topk 1); None: SGLang's default
     extra_args: tuple[str, ...] = ()
 
     def __post_init__(self):
@@ -56,6 +64,10 @@ class SGLangConfig:
                              f"draft_tokens={self.num_draft_tokens})")
         if all(given):
             self._check_tree()
+        if self.tp_size < 1 or (self.context_length is not None and self.context_length < 1):
+            raise ValueError(f"need tp_size >= 1 and context_length >= 1 (got {self.tp_size}, {self.context_length})")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r}: SGLang takes one of {', '.join(DTYPES)}")
         if self.spec_v2 and self.eagle_topk != 1:
             raise ValueError("SGLang's overlap scheduler for speculative decoding (spec v2) needs "
                              "eagle_topk=1 (chain drafting)")
@@ -105,17 +117,22 @@ class SGLangConfig:
                     "--speculative-eagle-topk", str(self.eagle_topk),
                     "--speculative-num-draft-tokens", str(self.num_draft_tokens)]
         cmd += ["--host", self.host, "--port", str(self.port)]
-        if self.mem_fraction_static is not None:
-            cmd += ["--mem-fraction-static", str(self.mem_fraction_static)]
+        for flag, value in (("--mem-fraction-static", self.mem_fraction_static), ("--context-length", self.context_length),
+                            ("--dtype", self.dtype)):
+            cmd += [flag, str(value)] if value is not None else []
+        cmd += ["--tp-size", str(self.tp_size)] if self.tp_size > 1 else []
         return cmd + list(self.extra_args)
 
     def env(self) -> dict:
-        return {SPEC_V2_ENV: "True"} if self.spec_v2 else {}
+        return {} if self.spec_v2 is None else {SPEC_V2_ENV: str(self.spec_v2)}
 
 
-def sglang_available() -> bool:
-    """SGLang serves on GPUs: CUDA visible to torch and the package importable."""
-    if importlib.util.find_spec("sglang") is None:
+def sglang_available(python: str | None = None) -> bool:
+    """SGLang serves on GPUs: CUDA visible to torch and SGLang there (`python`: the interpreter of the
+    SGLang environment exists; None: the package importable in this one)."""
+    if python is not None and not os.access(python, os.X_OK):
+        return False
+    if python is None and importlib.util.find_spec("sglang") is None:
         return False
     try:
         import torch
@@ -148,6 +165,16 @@ class SGLangServer:
     def headers(self) -> dict:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
+    def command(self) -> list[str]:
+        """The launch argv; the api key, when set, travels last."""
+        return self.cfg.build_command(self.python) + (["--api-key", self.api_key] if self.api_key else [])
+
+    def describe(self) -> str:
+        """The launch command as a shell line for records and logs (the api key masked)."""
+        cmd = self.cfg.build_command(self.python) + (["--api-key", "REDACTED"] if self.api_key else [])
+        env = " ".join(f"{k}={v}" for k, v in self.cfg.env().items())
+        return (env + " " if env else "") + shlex.join(cmd)
+
     def start(self, timeout: float = HEALTH_TIMEOUT_S) -> "SGLangServer":
         if self.proc is not None and self.proc.poll() is None:
             raise RuntimeError(f"SGLang already running (pid {self.proc.pid})")
@@ -155,9 +182,7 @@ class SGLangServer:
             self.log_path = Path(tempfile.mkdtemp(prefix="sglang-")) / "server.log"
         self.log_path = Path(self.log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        cmd = self.cfg.build_command(self.python)
-        if self.api_key:
-            cmd += ["--api-key", self.api_key]
+        cmd = self.command()
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT,
                                          env={**os.environ, **self.cfg.env()},
