@@ -6,6 +6,7 @@ reason. `kept + rejected == read` is checked here and returned in the summary. R
 workload, source, stage, reason and input line only: never text, never the detected value.
 
 Checks, in order (the first that fails is the reason; every rejection carries its input `line`):
+  bad:line_too_long   the line is over max_line_bytes: skipped unread, never parsed or held whole
   bad:encoding        not UTF-8, or a lone surrogate escape ("\\ud800"): no later step could encode it
   bad:json            line is not a JSON object (id = stable_id(file name, line number))
   dup:id              an earlier line already used this id (ids are unique from here on; the later line
@@ -15,7 +16,8 @@ Checks, in order (the first that fails is the reason; every rejection carries it
                       first bad field (`bad:schema:messages[1].role`)
   bad:empty           no system/user messages, or one whose content is blank
   bad:role_order      not [system?] user+ once assistant turns are stripped (system only first, >=1 user)
-  bad:too_long        rendered prompt (target chat template + generation prompt) > max_tokens
+  bad:too_long        prompt text > max_prompt_chars (with or without a tokenizer, before tokenizing), or
+                      rendered prompt (target chat template + generation prompt) > max_tokens
   eval_contamination  any user turn's decontam_key is in eval_keys
   dup                 same normalised messages as an earlier record (first occurrence kept)
   dlp:ENTITY          a secret (always dropped, under either policy: see dlp.py)
@@ -49,9 +51,9 @@ from pathlib import Path
 from typing import Iterable
 
 from eagle3_platform.data.pii import Finding, PiiScanner, get_scanner, severity
-from eagle3_platform.store.records import (BadRecord, Message, PromptRecord, Rejection, ignored_summary, line_rejection,
-                                     parse_line, prompt_from_row, read_lines, top_reasons, unknown_keys,
-                                     usable_id, write_jsonl_atomic)
+from eagle3_platform.store.records import (MAX_LINE_BYTES, BadRecord, Message, PromptRecord, Rejection, ignored_summary,
+                                     line_rejection, parse_line, prompt_from_row, read_lines, top_reasons,
+                                     unknown_keys, usable_id, write_jsonl_atomic)
 
 POLICIES = ("drop", "redact")
 STAGE = "filter"
@@ -73,16 +75,20 @@ class FilterConfig:
     progress_every: int = 2000  # records between progress lines on stderr
     public_text_sources: tuple[str, ...] = PUBLIC_TEXT_SOURCES
     public_entities: tuple[str, ...] = PUBLIC_ENTITIES
+    # A prompt's size is bounded even without a tokenizer (the PII scan's time grows with it): far above
+    # what any preset's token budget can hold, so only runaway records meet it.
+    max_prompt_chars: int = 100_000
+    max_line_bytes: int = MAX_LINE_BYTES  # longer input lines are rejected unread (bad:line_too_long)
 
     def is_public(self, source: str) -> bool:
         return source.startswith(self.public_text_sources)
 
 
 PRESETS: dict[str, FilterConfig] = {
-    "tiny": FilterConfig(scan_batch=8, progress_every=10**9),
+    "tiny": FilterConfig(scan_batch=8, progress_every=10**9, max_prompt_chars=50_000),
     "demo": FilterConfig(),
     "cpu": FilterConfig(scan_batch=128, progress_every=1000),
-    "full": FilterConfig(scan_batch=256, progress_every=20_000),
+    "full": FilterConfig(scan_batch=256, progress_every=20_000, max_prompt_chars=400_000),
 }
 
 
@@ -93,8 +99,9 @@ def allowed_entities(source: str, cfg: FilterConfig | None = None) -> tuple[str,
     return cfg.public_entities if cfg.is_public(source) else ()
 
 
-def validate(row: dict, max_tokens: int | None, tokenizer) -> tuple[PromptRecord, int]:
-    """Schema + role checks. Returns (record with assistant turns stripped, number stripped)."""
+def validate(row: dict, max_tokens: int | None, tokenizer,
+             max_chars: int | None = None) -> tuple[PromptRecord, int]:
+    """Schema + role + size checks. Returns (record with assistant turns stripped, number stripped)."""
     msgs = row.get("messages")
     if isinstance(msgs, list) and any(isinstance(m, dict) and "content" in m and not isinstance(m["content"], str)
                                       for m in msgs):
@@ -108,6 +115,8 @@ def validate(row: dict, max_tokens: int | None, tokenizer) -> tuple[PromptRecord
     if "user" not in roles or "system" in roles[1:]:
         raise BadRecord("bad:role_order")
     rec = rec.model_copy(update={"messages": kept, "n_chars": sum(len(m.content) for m in kept)})
+    if max_chars is not None and rec.n_chars > max_chars:  # before the tokenizer sees it
+        raise BadRecord("bad:too_long")
     if max_tokens is not None and tokenizer is not None and _prompt_tokens(tokenizer, kept) > max_tokens:
         raise BadRecord("bad:too_long")
     return rec, stripped
@@ -195,7 +204,7 @@ class _Run:
         if rid is not None:
             self.ids.add(rid)
         try:
-            rec, stripped = validate(row, self.max_tokens, self.tokenizer)
+            rec, stripped = validate(row, self.max_tokens, self.tokenizer, self.cfg.max_prompt_chars)
             self.stripped += stripped
             if _contaminated(rec, self.eval_keys):
                 raise BadRecord("eval_contamination")
@@ -246,7 +255,8 @@ class _Run:
                 "ignored_keys": ignored_summary(self.ignored),
                 "assistant_turns_stripped": self.stripped, "redactions": dict(sorted(self.redactions.items())),
                 "public_entities_allowed": dict(sorted(self.public_allowed.items())),
-                "policy": self.policy, "max_tokens": self.max_tokens, "eval_keys": len(self.eval_keys or ()),
+                "policy": self.policy, "max_tokens": self.max_tokens,
+                "max_prompt_chars": self.cfg.max_prompt_chars, "eval_keys": len(self.eval_keys or ()),
                 **self.scanner.info(), "seconds": round(dt, 3), "records_per_s": round(self.read / max(dt, 1e-9), 1)}
 
 
@@ -276,7 +286,7 @@ def filter_file(in_path: str | Path, kept_path: str | Path, rejected_path: str |
     if not in_path.is_file():
         raise FileNotFoundError(f"filter input not found: {in_path}")
     distinct_paths({"--in": in_path, "--out": kept_path, "--rejected": rejected_path})
-    kept, rejected, summary = filter_records(read_lines(in_path), policy, max_tokens, tokenizer, eval_keys,
+    kept, rejected, summary = filter_records(read_lines(in_path, cfg.max_line_bytes), policy, max_tokens, tokenizer, eval_keys,
                                              scanner, cfg, origin=in_path.name)
     write_jsonl_atomic(kept_path, kept)
     write_jsonl_atomic(rejected_path, rejected)

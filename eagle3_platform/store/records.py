@@ -5,7 +5,8 @@ or appended one fsynced line at a time, so a killed run leaves at most one torn 
 `read_jsonl(..., tolerate_torn_tail=True)` drops and resume redoes.
 
 Lines from users' files go through parse_line + prompt_from_row: one bad line becomes one rejection
-with a reason (`bad:encoding`, `bad:json`, `bad:schema:<field>`), never an exception that stops a run.
+with a reason (`bad:line_too_long`, `bad:encoding`, `bad:json`, `bad:schema:<field>`), never an
+exception that stops a run; read_lines holds one bounded line at a time, whatever a file holds.
 """
 from __future__ import annotations
 
@@ -85,13 +86,18 @@ class BadRecord(Exception):
 
 
 def parse_line(raw: str | bytes | dict) -> dict:
-    """One JSONL line -> dict, or BadRecord('bad:encoding' | 'bad:json'). Lone surrogates (`"\\ud800"`)
-    are valid JSON but not encodable text: every later stage (tokenizer, scanner, writer) would fail."""
+    """One JSONL line -> dict, or BadRecord('bad:line_too_long' | 'bad:encoding' | 'bad:json'). Lone
+    surrogates (`"\\ud800"`) are valid JSON but not encodable text: every later stage (tokenizer,
+    scanner, writer) would fail. A leading UTF-8 BOM (a file's first line, as editors save it) is dropped."""
+    if isinstance(raw, LongLine):
+        raise BadRecord("bad:line_too_long")
     if isinstance(raw, bytes):
         try:
             raw = raw.decode("utf-8")
         except UnicodeDecodeError:
             raise BadRecord("bad:encoding") from None
+    if isinstance(raw, str):
+        raw = raw.removeprefix("\ufeff")
     try:
         row = json.loads(raw) if isinstance(raw, str) else raw
         if isinstance(row, dict):
@@ -174,20 +180,70 @@ def line_rejection(stage: str, origin: str, line: int, row: dict | None, reason:
                      reason=reason, line=line)
 
 
-def read_lines(path: str | Path) -> list[bytes]:
-    """A JSON Lines file's lines. A file that is one JSON array (or one pretty-printed object) is refused
+MAX_LINE_BYTES = 4 << 20  # a line longer than this is rejected (bad:line_too_long) without being held whole
+READ_CHUNK = 1 << 20  # bytes read at a time: a reader holds at most one line and one chunk
+WHOLE_FILE_CHECK_BYTES = 16 << 20  # files up to this size are parsed whole to tell a JSON array from JSONL
+BOM = b"\xef\xbb\xbf"
+
+
+class LongLine(bytes):
+    """Stands for a line over the reader's bound: its bytes were skipped, never held or parsed;
+    parse_line rejects it as bad:line_too_long (its position in the file still names its line). Not
+    blank, so no reader skips it as an empty line."""
+
+    def __new__(cls):
+        return super().__new__(cls, b"<line too long>")
+
+
+def read_lines(path: str | Path, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[bytes]:
+    """A JSON Lines file's lines, read in bounded chunks (memory: one line of at most max_line_bytes
+    plus one chunk, whatever the file holds): a UTF-8 BOM at the start is dropped, a longer line comes
+    as one LongLine. A file that is one JSON array (or one pretty-printed object) is refused at once
     with a clear error rather than rejected line by line as bad:json."""
-    data = Path(path).read_bytes()
-    head, multi_line = data.lstrip()[:1], b"\n" in data.strip()
-    if head == b"[" or (head == b"{" and multi_line):  # cheap: a real JSONL fails at its first line end
-        try:
-            whole = json.loads(data)
-        except (ValueError, RecursionError):
-            whole = None
-        if isinstance(whole, (list, dict)):
-            kind = "a JSON array" if isinstance(whole, list) else "one multi-line JSON object"
-            raise ValueError(f"{path} is {kind}; expected JSON Lines (one JSON object per line)")
-    return data.split(b"\n")
+    _refuse_whole_json(Path(path))
+    return _stream_lines(Path(path), max_line_bytes)
+
+
+def _refuse_whole_json(path: Path) -> None:
+    """ValueError when the file (of at most WHOLE_FILE_CHECK_BYTES) parses whole as one array or
+    object over several lines. Cheap for real JSONL: only a file whose first line is no JSON object
+    on its own is parsed whole."""
+    with open(path, "rb") as f:
+        first = f.readline(MAX_LINE_BYTES).removeprefix(BOM).strip()
+    if first[:1] not in (b"[", b"{") or path.stat().st_size > WHOLE_FILE_CHECK_BYTES:
+        return
+    try:
+        if isinstance(json.loads(first), dict):
+            return
+    except (ValueError, RecursionError):
+        pass
+    data = path.read_bytes().removeprefix(BOM)
+    try:
+        whole = json.loads(data)
+    except (ValueError, RecursionError):
+        return
+    if isinstance(whole, list) or (isinstance(whole, dict) and b"\n" in data.strip()):
+        kind = "a JSON array" if isinstance(whole, list) else "one multi-line JSON object"
+        raise ValueError(f"{path} is {kind}; expected JSON Lines (one JSON object per line)")
+
+
+def _stream_lines(path: Path, max_line_bytes: int) -> Iterator[bytes]:
+    """Every line of the file (split at b"\n", the last one possibly empty), at most max_line_bytes each."""
+    parts, size, skipping, first = [], 0, False, True
+    with open(path, "rb") as f:
+        while chunk := f.read(READ_CHUNK):
+            if first:
+                chunk, first = chunk.removeprefix(BOM), False
+            *ends, rest = chunk.split(b"\n")
+            for piece in ends:  # each closes the line in progress
+                yield LongLine() if skipping or size + len(piece) > max_line_bytes else b"".join(parts + [piece])
+                parts, size, skipping = [], 0, False
+            if skipping or size + len(rest) > max_line_bytes:
+                parts, size, skipping = [], 0, True  # over the bound: drop what was held, skip to the line end
+            else:
+                parts.append(rest)
+                size += len(rest)
+    yield LongLine() if skipping else b"".join(parts)
 
 
 def read_jsonl(path: str | Path, tolerate_torn_tail: bool = False) -> Iterator[dict]:
