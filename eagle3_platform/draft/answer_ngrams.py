@@ -23,12 +23,13 @@ draft each other's token: verification rejects a wrong token, so output is uncha
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from eagle3_platform.store.records import atomic_write
 
@@ -107,7 +108,7 @@ class AnswerNgrams:
         """Atomic (readers see the old file or the whole new one) -> what it holds."""
         tensors = {"keys": self.keys, "tokens": self.tokens, "shares": self.shares}
         meta = {"max_ngram": str(MAX_NGRAM), "answer_tokens": str(self.answer_tokens)}
-        atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+        atomic_write(path, lambda tmp: tmp.write_bytes(sorted_header(save(tensors, metadata=meta))))
         return {"path": str(path), "contexts": len(self), "answer_tokens": self.answer_tokens}
 
     @classmethod
@@ -140,3 +141,14 @@ def _most_frequent_next(seqs: list[torch.Tensor], n: int) -> tuple[torch.Tensor,
     rows = torch.where(counts == top[group], torch.arange(len(pairs)), len(pairs))  # rows holding a top count
     first = torch.full((len(keys),), len(pairs)).scatter_reduce_(0, group, rows, "amin")  # the lowest token
     return keys, pairs[first, 1], top.float() / total.float()
+
+
+def sorted_header(blob: bytes) -> bytes:
+    """safetensors bytes with the JSON header's keys sorted: its writer emits the metadata in hash-map
+    order, so the same table written twice would differ byte for byte. The data offsets in the header
+    are relative to the data section, which stays as it is (u64 header size, header padded with spaces
+    to 8 bytes, data: the safetensors layout)."""
+    n = int.from_bytes(blob[:8], "little")
+    head = json.dumps(json.loads(blob[8:8 + n]), sort_keys=True, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    return len(head).to_bytes(8, "little") + head + blob[8 + n:]
