@@ -7,7 +7,9 @@ import warnings
 
 from dagster import (AssetObservation, BetaWarning, DataVersion, DataVersionsByPartition, MetadataValue,
                      observable_source_asset)
+from dagster._core.definitions.external_asset import create_external_asset_from_source_asset
 
+from assets.metadata import OWNERS
 from assets.partitions import workload_partitions
 from assets.sensors import OBSERVE_SOURCES
 
@@ -24,11 +26,14 @@ def fingerprints(workloads=None) -> dict[str, str]:
 warnings.filterwarnings("ignore", category=BetaWarning, message=".*observable_source_asset.*")
 
 
-@observable_source_asset(partitions_def=workload_partitions, group_name="sources",
+@observable_source_asset(name="workload_sources", partitions_def=workload_partitions, group_name="sources",
                          automation_condition=OBSERVE_SOURCES,
                          tags={"dagster/kind/python": ""},
-                         description="Workload prompt sources (PyPI data packages + EAGLE3_EXTRA_SOURCES).")
-def workload_sources(context) -> DataVersionsByPartition:
+                         description="Workload prompt sources, one partition per workload: the PyPI data "
+                                     "packages that ship them, plus any JSONL under "
+                                     "$EAGLE3_EXTRA_SOURCES/<workload>/. Each observation records the files backing a "
+                                     "workload, their bytes and content hash (its data version).")
+def observe_sources(context) -> DataVersionsByPartition:
     fps = fingerprints()
     context.log.info("source fingerprints: " + ", ".join(f"{w}={v[:12]}" for w, v in fps.items()))
     # Each partition's observation is logged here rather than returned: a returned
@@ -38,6 +43,12 @@ def workload_sources(context) -> DataVersionsByPartition:
         context.log_event(AssetObservation(asset_key=context.asset_key, partition=w, tags={DATA_VERSION_TAG: v},
                                            metadata=observed(w, v)))
     return DataVersionsByPartition({})
+
+
+# A SourceAsset cannot carry owners. Dagster turns it into this observation-only asset definition
+# anyway when it loads the definitions; done here, the spec takes the owners every asset has.
+workload_sources = create_external_asset_from_source_asset(observe_sources).map_asset_specs(
+    lambda spec: spec.replace_attributes(owners=OWNERS))
 
 
 def observed(workload: str, fingerprint: str) -> dict:
