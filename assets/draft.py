@@ -79,6 +79,7 @@ def draft_head(context: AssetExecutionContext, storage: StorageResource, target:
         epochs=preset.config().train.warm_start_epochs if init else None, **preset.compute()))
     exp = storage.staging(Keys.EXPORT, context.run.run_id)
     exported = compute.run(context, ExportRequest(draft=str(ckpt), out=str(exp)))
+    head = head_sha256(exp)  # before publishing moves it
     export_uri = storage.publish_from(exp, Keys.EXPORT)
     ckpt_uri = storage.publish_from(ckpt, Keys.DRAFT)
     heldout = summary.get("eval_simulated_acceptance")  # absent when no eval split has features
@@ -96,11 +97,22 @@ def draft_head(context: AssetExecutionContext, storage: StorageResource, target:
         "workloads": ", ".join(features_for(storage, target, "train")),
         "eval_workloads": ", ".join(features_for(storage, target, "eval")), **target.lineage(),
         "export_uri": location(export_uri), "checkpoint_uri": location(ckpt_uri),
+        "head_sha256": MetadataValue.text(head or "unknown"),  # the benchmark report's header names it
         "loss_curve": MetadataValue.md(loss_table(history)),
         **summary_metadata({k: v for k, v in summary.items()
                             if k in ("steps", "epochs", "samples", "samples_left_out", "train_tokens",
                                      "train_tokens_per_s", "resumed_from", "compute_dtype", "device")}),
         **summary_metadata({k: v for k, v in exported.items() if k != "export_dir"}, prefix="export_")})
+
+
+def head_sha256(export_dir: Path) -> str | None:
+    """The exported head's identity: the sha256 of its weights file (what the embedded server reports
+    on /server_info, and so the benchmark report's header); None where the export is not local."""
+    from eagle3_platform.draft.export import WEIGHTS_FILE
+    from eagle3_platform.store.records import sha256_file
+
+    weights = Path(export_dir) / WEIGHTS_FILE
+    return sha256_file(weights) if weights.is_file() else None
 
 
 def _warm_start_from(context, storage: StorageResource, preset: PresetResource, version: str,

@@ -419,6 +419,10 @@ def test_report_header_names_target_head_preset_hardware_date_commit(tmp_path):
            "max_tokens": 8, "duration_s": 1, "concurrency": [1], "endpoints": {"eagle3": "u"}}
     md = markdown({**results, "config": cfg, "runs": []}, [])
     assert "**commit**: abc123" in md and "`prompts.jsonl`" in md and ".staging" not in md
+    served = {**results["servers"]["eagle3"], "head_sha256": "0123456789abcdef" * 4}
+    assert header_facts({**results, "servers": {"eagle3": served}})["head"] == "sha256 0123456789ab (packed float32)"
+    sglang = {"draft": True, "speculative_draft_model_path": "/data/draft/export"}  # SGLang names its path
+    assert header_facts({"servers": {"eagle3": sglang}})["head"] == "export"
 
 
 def test_environment_without_git_is_not_an_error(monkeypatch):

@@ -160,6 +160,7 @@ def test_draft_head_page_shows_its_training_curves(tmp_path, tiny_target_dir):
     """A tiny training through Dagster: its loss and acceptance curves are PNGs inline in the
     materialization's markdown, as the UI's GraphQL API returns it."""
     from dagster_helpers import meta, run, tiny_resources
+    from eagle3_platform.store.records import sha256_file
     from resources import StorageResource
 
     storage = StorageResource(root=str(tmp_path / "data"))
@@ -174,3 +175,4 @@ def test_draft_head_page_shows_its_training_curves(tmp_path, tiny_target_dir):
     assert [p[:8] for p in pngs(ui["mdStr"])] == [PNG, PNG]
     assert entries["final_loss"]["__typename"] == "FloatMetadataEntry" and entries["final_loss"]["floatValue"] > 0
     assert not entries["export_uri"]["path"].startswith("file://")
+    assert m["head_sha256"] == sha256_file(storage.fetch("draft/export/model.safetensors"))  # the report names it

@@ -451,10 +451,12 @@ def test_build_engine_takes_the_head_weights_setting(tiny_target_dir, tiny_expor
     from eagle3_platform.draft.quant import Int8Linear
     from eagle3_platform.model.packed_linear import PackedLinear, packing_available
     from eagle3_platform.serve.server import build_engine
+    from eagle3_platform.store.records import sha256_file
 
     engine, _, meta = build_engine(tiny_target_dir, tiny_export, "chain")
     assert meta["spec_config"]["head_weights"] == "auto"
     assert meta["head_weights"] == "packed"  # the tiny target is off the 4-bit grid
+    assert meta["head_sha256"] == sha256_file(f"{tiny_export}/model.safetensors")  # which head is served
     assert isinstance(engine.draft.lm_head, PackedLinear if packing_available() else nn.Linear)
     engine, _, meta = build_engine(tiny_target_dir, tiny_export, "chain", head_weights="int8")
     assert isinstance(engine.draft.lm_head, Int8Linear) and meta["spec_config"]["head_weights"] == "int8"

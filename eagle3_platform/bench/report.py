@@ -178,13 +178,23 @@ def header_facts(results: dict) -> dict[str, str]:
     a server or the environment did not say)."""
     info = (results.get("servers") or {}).get("eagle3") or {}
     env = results.get("environment") or {}
-    head = "none" if not info.get("draft", True) else " ".join(
-        str(x) for x in (info.get("head_weights"), info.get("dtype")) if x) or "EAGLE-3 draft"
+    head = "none" if not info.get("draft", True) else head_identity(info)
     cpu = f"{env['cpu']} ({env['cpus']} cores)" if env.get("cpu") and env.get("cpus") else env.get("cpu")
     hw = ", ".join(x for x in (cpu, env.get("gpu")) if x)
     return {"target": str(info.get("target_id") or info.get("model_path") or info.get("model") or "unknown"),
             "head": head, "preset": str(info.get("spec") or "unknown"), "hardware": hw or "unknown",
             "date": str(env.get("date") or "unknown"), "commit": str(env.get("commit") or "unknown")}
+
+
+def head_identity(info: dict) -> str:
+    """Which head was served: the sha256 of its weights (the embedded server's), else the draft path
+    SGLang names, then how it ran (head weights, dtype)."""
+    how = " ".join(str(x) for x in (info.get("head_weights"), info.get("dtype")) if x)
+    sha, path = info.get("head_sha256"), info.get("speculative_draft_model_path")
+    ident = f"sha256 {sha[:12]}" if sha else (Path(str(path)).name if path else "")
+    if ident and how:
+        return f"{ident} ({how})"
+    return ident or how or "EAGLE-3 draft"
 
 
 def _md_tau(results: dict) -> list[str]:

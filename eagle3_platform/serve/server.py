@@ -546,10 +546,12 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path | None = None, sp
     from eagle3_platform.spec.engine import SpecEngine
 
     target = load_target(target_dir, dtype=dtype)
-    draft = answers = None
+    draft = answers = head_sha256 = None
     if draft_dir is not None:
-        from eagle3_platform.draft.export import load_answer_ngrams, load_export
+        from eagle3_platform.draft.export import WEIGHTS_FILE, load_answer_ngrams, load_export
+        from eagle3_platform.store.records import sha256_file
         draft = load_export(draft_dir, target)
+        head_sha256 = sha256_file(Path(draft_dir) / WEIGHTS_FILE)  # which head this is (the report's header)
     cfg = get_preset(spec if draft is not None else "baseline")
     if head_weights is not None:
         cfg = replace(cfg, head_weights=head_weights)
@@ -568,6 +570,7 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path | None = None, sp
             "int4_rows": target.meta.get("int4_rows", 0), "int4_linears": target.meta.get("int4_linears", 0),
             "spec": spec if draft is not None else "baseline", "spec_config": cfg.to_dict(),
             "head_weights": engine.head_weights,  # as resolved ('auto' -> int4 | packed)
+            "head_sha256": head_sha256,  # the export's weights file: the head's identity
             # contexts in the answer table drafted from (None: answer_tokens 0, or the export has none)
             "answer_ngrams": len(answers) if answers is not None else None,
             "threads": {"rest": torch.get_num_threads(),  # sampling, bookkeeping
