@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3_platform.data.chat import render, render_prompt, template_hash
+from eagle3_platform.data.chat import end_of_turn, eos_token_ids, render, render_prompt, template_hash
 from eagle3_platform.data.local_gen import Sampling, common_prefix, generate_batch
 from eagle3_platform.data.regenerate import PRESETS, regenerate_file
 from eagle3_platform.store.records import ConversationRecord, Rejection, read_jsonl
@@ -79,8 +79,11 @@ def varied_regen(varied, monkeypatch):
 
 
 def check_records(rows: list[dict], prompts: list[dict], tok, target_id: str) -> None:
-    """Every record valid, ids/mask exactly render(messages), one answer per user turn."""
+    """Every record valid, one answer per user turn, and each trained turn exactly as the target produced
+    it: the record up to its mask is the prompt the template renders for it, the masked run is the answer
+    (its new tokens, its text, its stop token)."""
     by_id = {p["id"]: p for p in prompts}
+    stops = eos_token_ids(tok)
     for row in rows:
         rec = ConversationRecord.model_validate(row)
         src = by_id[rec.id]
@@ -89,10 +92,34 @@ def check_records(rows: list[dict], prompts: list[dict], tok, target_id: str) ->
         assert [m.content for m in rec.messages if m.role == "user"] == users[: roles.count("user")]
         assert roles.count("assistant") == roles.count("user") == len(users) - rec.generation["dropped_turns"]
         assert roles[-1] == "assistant"
-        assert (rec.input_ids, rec.loss_mask) == render(tok, [m.model_dump() for m in rec.messages])
-        assert sum(rec.loss_mask) > 0
+        msgs = [m.model_dump() for m in rec.messages]
+        replies = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+        trained, runs = rec.generation["trained_turns"], mask_runs(rec.loss_mask)
+        assert trained[-1] == len(replies) - 1 and len(runs) == len(trained)
+        for t, (a, b) in zip(trained, runs):
+            i = replies[t]
+            assert rec.input_ids[:a] == render_prompt(tok, msgs[:i])
+            answer = rec.input_ids[a:b]
+            assert tok.decode(answer, skip_special_tokens=True) == msgs[i]["content"]
+            if rec.generation["mode"] == "local":  # the generated ids themselves
+                assert len(answer) == rec.generation["new_tokens"][t]
+                assert (answer[-1] in stops) == (rec.generation["finish_reasons"][t] == "stop")
+            else:  # a text reply, as the template renders it: content + end-of-turn
+                assert answer[-1] == tok.convert_tokens_to_ids(end_of_turn(tok))
         assert rec.template_hash == template_hash(tok) and rec.target_id == target_id
         assert len(rec.generation["finish_reasons"]) == roles.count("assistant")
+
+
+def mask_runs(mask: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each maximal run of 1s."""
+    runs, start = [], None
+    for p, m in enumerate(mask + [0]):
+        if m and start is None:
+            start = p
+        elif not m and start is not None:
+            runs.append((start, p))
+            start = None
+    return runs
 
 
 # ------------------------------------------------------------------------------------ local path

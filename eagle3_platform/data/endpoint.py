@@ -6,6 +6,11 @@ stops the run, so nothing is rejected for it and a rerun with the right settings
 4xx, and a reply that is not a chat completion, is that request's fault: `EndpointRequestError`, so
 the caller rejects that one conversation. Regeneration's endpoint back end (`regenerate.run_endpoint`)
 drives it.
+
+Reasoning models answer with `reasoning_content` beside `content` (SGLang and vLLM with a reasoning
+parser; some servers call it `reasoning`): both are kept, and regeneration decides with its `reasoning`
+setting whether the thinking is trained. `reasoning="drop"` also asks the server's template not to
+think (`chat_template_kwargs: {"enable_thinking": false}`, honoured by Qwen3's template).
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ class Reply:
     content: str
     finish_reason: str
     completion_tokens: int | None
+    reasoning: str = ""  # the server's reasoning_content ("" when it returned none)
 
 
 def chat_url(endpoint: str) -> str:
@@ -60,11 +66,14 @@ class ChatClient:
         self._http = httpx.Client(timeout=timeout_s, headers=headers)
 
     def chat(self, messages: list[dict], max_tokens: int, temperature: float, top_p: float,
-             seed: int | None) -> Reply:
-        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens,
-                "temperature": temperature, "top_p": top_p, "stream": False}
+             seed: int | None, reasoning: str = "keep") -> Reply:
+        """One completion. Messages go as role + content only (the server's template renders history)."""
+        body = {"model": self.model, "messages": [{"role": m["role"], "content": m["content"]} for m in messages],
+                "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "stream": False}
         if seed is not None:
             body["seed"] = seed
+        if reasoning == "drop":
+            body["chat_template_kwargs"] = {"enable_thinking": False}
         return parse_reply(self._post(body))
 
     def _post(self, body: dict) -> dict:
@@ -103,16 +112,19 @@ def parse_reply(data) -> Reply:
     that is not valid Unicode) -> EndpointRequestError with reason endpoint:bad_reply."""
     try:
         choice = data["choices"][0]
-        content = choice["message"].get("content") or ""
+        message = choice["message"]
+        content = message.get("content") or ""
+        thought = message.get("reasoning_content") or message.get("reasoning") or ""
         finish = choice.get("finish_reason") or "stop"
         n = (data.get("usage") or {}).get("completion_tokens")
-        if not isinstance(content, str) or not isinstance(finish, str) or not (n is None or isinstance(n, int)):
+        if not (isinstance(content, str) and isinstance(thought, str) and isinstance(finish, str)
+                and (n is None or isinstance(n, int))):
             raise TypeError("field types")
-        content.encode("utf-8")  # a lone surrogate would fail the tokenizer later
+        content.encode("utf-8"), thought.encode("utf-8")  # a lone surrogate would fail the tokenizer later
     except (KeyError, IndexError, TypeError, AttributeError, UnicodeEncodeError) as e:
         raise EndpointRequestError(200, f"reply is not a chat completion ({type(e).__name__})",
                                    "endpoint:bad_reply") from None
-    return Reply(content=content, finish_reason=finish, completion_tokens=n)
+    return Reply(content=content, finish_reason=finish, completion_tokens=n, reasoning=thought)
 
 
 def served_model(endpoint: str, fallback: str, api_key: str | None = None, timeout_s: float = 10.0) -> str:

@@ -6,7 +6,12 @@ turns < k. Two back ends share everything else (budgets, records, masks, scannin
   prompt-length order, a finished answer's row refilled by the next prompt or by the conversation's
   next turn);
 - endpoint: any OpenAI-compatible `/v1/chat/completions` with bounded concurrency and retries.
-Either way `input_ids`/`loss_mask` come from `chat.render` with the target's own tokenizer + template.
+Either way each turn is recorded as the target saw it (its prompt ids + its answer: the generated ids
+locally, the template's render of the reply for an endpoint) and `chat.sequence` makes the record's
+`input_ids`/`loss_mask`. A conversation the template cannot render or mask (a jinja error, a token across
+a turn boundary) is rejected with its reason (`template:...`, `bad:token_boundary`); the run goes on.
+Reasoning (RegenConfig.reasoning): keep trains the thinking the target emits, drop asks the template
+not to think and trains the answers without it.
 
 Accounting: every input record ends as exactly one ConversationRecord (out) or Rejection (rejected);
 `read == written + rejected`. Resume: both files are fsynced JSONL appends; a rerun skips ids already in
@@ -44,7 +49,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from eagle3_platform.data.chat import BoundaryError, encode, eos_token_ids, render, render_prompt, template_hash
+from eagle3_platform.data.chat import (REASONING, Turn, encode, eos_token_ids, generated_turn, render_prompt,
+                                       sequence, split_answer, template_errors, template_hash,
+                                       template_reason, text_turn, trailer_length)
 from eagle3_platform.data.endpoint import ChatClient, EndpointRequestError, served_model
 from eagle3_platform.progress import report as report_progress
 from eagle3_platform.store.records import (BadRecord, ConversationRecord, JsonlAppender, PromptRecord, Rejection,
@@ -100,6 +107,14 @@ class RegenConfig:
     max_retries: int = 5
     backoff_s: float = 0.5
     progress_every_s: float = 10.0
+    # keep: the thinking a reasoning target emits (Qwen3 <think>, GPT-OSS analysis) is part of the
+    # trained response, as the target emits it when served; drop: the template is asked not to think
+    # (enable_thinking=False) and any thinking is cut from the answers. Targets without reasoning: same.
+    reasoning: str = "keep"
+
+    def __post_init__(self):
+        if self.reasoning not in REASONING:
+            raise ValueError(f"reasoning must be one of {REASONING}, not {self.reasoning!r}")
 
 
 PRESETS: dict[str, RegenConfig] = {
@@ -125,7 +140,7 @@ PRESETS: dict[str, RegenConfig] = {
                        time_budget_s=14 * 60, random_order=True),
     # Production: sampled answers (diversity) at the target's usual settings, usually via SGLang/vLLM.
     "full": RegenConfig(max_new_tokens=1024, batch_size=32, do_sample=True, temperature=0.7, top_p=0.95,
-                        seed=0, max_length=4096, concurrency=64),
+                        seed=0, max_length=4096, concurrency=64, reasoning="keep"),
 }
 
 
@@ -148,6 +163,9 @@ class Convo:
     dropped_turns: int = 0  # user turns left unanswered: the max_length budget ran out
     cut_by_time: bool = False  # an answer cut or a turn left unasked because the time budget was spent
     reject: str | None = None
+    asked: list[list[dict]] = field(default_factory=list)  # per answered turn: the messages it answered
+    made: list[Turn | None] = field(default_factory=list)  # per answered turn: its ids (None: a text reply)
+    thoughts: list[str] = field(default_factory=list)  # per answered turn: its reasoning, where kept
 
 
 def segment(rec: PromptRecord) -> list[list[dict]]:
@@ -173,16 +191,23 @@ class Turns:
     def __init__(self, tokenizer, cfg: RegenConfig, on_answer=None):
         self.tok, self.cfg, self.on_answer = tokenizer, cfg, on_answer
         self.lock = threading.Lock()  # endpoint workers share the tokenizer
-        # tokens the template writes after an answer (EOT + newline): reserved inside max_length
-        probe = render_prompt(tokenizer, [{"role": "user", "content": "hi"}])
-        self.trailer = len(render(tokenizer, [{"role": "user", "content": "hi"},
-                                              {"role": "assistant", "content": ""}])[0]) - len(probe)
+        # tokens the template writes after an answer (EOT + newline): reserved inside max_length. Probed
+        # with a non-empty answer: some templates (Mistral's) refuse an empty one.
+        self.trailer = trailer_length(tokenizer)
         self.stop_ids = eos_token_ids(tokenizer)
 
+    def prompt(self, msgs: list[dict]) -> list[int]:
+        return render_prompt(self.tok, msgs, self.cfg.reasoning)
+
     def next(self, c: Convo, k: int) -> tuple[list[dict], list[int], int] | None:
-        """(messages, prompt ids, max new tokens) for turn k, or None when the budget is spent."""
+        """(messages, prompt ids, max new tokens) for turn k, or None when the budget is spent or the
+        template refuses the conversation (then rejected with the template's reason)."""
         msgs = c.history + c.segments[k]
-        ids = render_prompt(self.tok, msgs)
+        try:
+            ids = self.prompt(msgs)
+        except template_errors() as e:
+            c.reject = template_reason(e)
+            return None
         budget = min(self.cfg.max_new_tokens, self.cfg.max_length - len(ids) - self.trailer)
         if budget >= 1:
             return msgs, ids, budget
@@ -192,13 +217,28 @@ class Turns:
             c.dropped_turns = len(c.segments) - k
         return None
 
-    def answer(self, c: Convo, msgs: list[dict], content: str, finish: str, n_tokens: int) -> None:
-        c.history = msgs + [{"role": "assistant", "content": content}]
+    def answer(self, c: Convo, msgs: list[dict], content: str, finish: str, n_tokens: int,
+               thought: str = "", made: Turn | None = None) -> None:
+        """Records turn k's answer: `made` = its exact ids (local), None = a text reply (endpoint)."""
+        reply = {"role": "assistant", "content": content}
+        if thought and self.cfg.reasoning == "keep":
+            reply["reasoning_content"] = thought
+        c.history = msgs + [reply]
+        c.asked.append(msgs)
+        c.made.append(made)
+        c.thoughts.append(reply.get("reasoning_content", ""))
         c.cut_by_time |= finish == "time"
         c.finish.append(finish)
         c.new_tokens.append(n_tokens)
         if self.on_answer is not None:
             self.on_answer(n_tokens)
+
+    def text_reply(self, content: str, thought: str) -> tuple[str, str]:
+        """An endpoint's reply -> (reasoning, content), both stripped: a server without a reasoning parser
+        returns the thinking inside the content, split here with the template's own markers."""
+        if not thought:
+            thought, content, _ = split_answer(self.tok, content)
+        return thought.strip(), content.strip()
 
 
 def scan_reason(scanner, texts: list[str], allowed: tuple[str, ...] = ()) -> str | None:
@@ -252,22 +292,33 @@ def changed_prompts(out_path: Path, convos: list[Convo]) -> int:
 
 
 def finalize(c: Convo, tok, scanner, meta: dict, gen: dict) -> ConversationRecord | Rejection:
-    """The conversation's one output row: a record with ids + mask, or a rejection with a reason."""
-    answers = [m["content"] for m in c.history if m["role"] == "assistant"]
+    """The conversation's one output row: a record with ids + mask, or a rejection with a reason (a
+    template that cannot render or mask it included: `template:...`, `bad:token_boundary`)."""
+    answers = [m["content"] for m in c.history if m["role"] == "assistant"] + [t for t in c.thoughts if t]
     reason = c.reject or scan_reason(scanner, answers, _allowed_entities(c.rec.source))
     if reason is None:
         try:
-            ids, mask = render(tok, c.history)
-        except BoundaryError:  # this conversation's text merges across a turn boundary: no exact mask
-            reason = "bad:token_boundary"
+            seq = record_sequence(c, tok, gen.get("reasoning", "keep"))
+        except template_errors() as e:
+            reason = template_reason(e)
     if reason is not None:
         return Rejection(id=c.rec.id, workload=c.rec.workload, source=c.rec.source, stage=STAGE, reason=reason)
     generation = {**gen, "finish_reasons": c.finish, "finish_reason": c.finish[-1],
                   "new_tokens": c.new_tokens, "dropped_turns": c.dropped_turns, "cut_by_time": c.cut_by_time,
-                  "prompt_sha256": prompt_sha256(c.rec)}
-    return ConversationRecord(**c.rec.model_dump(exclude={"messages"}), messages=c.history,
-                              input_ids=ids, loss_mask=mask, template_hash=template_hash(tok),
+                  "prompt_sha256": prompt_sha256(c.rec), "trained_turns": seq.turns}
+    messages = [{"role": m["role"], "content": m["content"]} for m in c.history]
+    return ConversationRecord(**c.rec.model_dump(exclude={"messages"}), messages=messages,
+                              input_ids=seq.input_ids, loss_mask=seq.loss_mask, template_hash=template_hash(tok),
                               target_id=meta["target_id"], generation=generation)
+
+
+def record_sequence(c: Convo, tok, reasoning: str):
+    """Each answered turn as the target produced it (its exact ids, or the template's render of a text
+    reply), joined into the record (chat.sequence: trained_turns names the turns in the mask)."""
+    replies = [m for m in c.history if m["role"] == "assistant"]
+    turns = [made if made is not None else text_turn(tok, asked, reply, reasoning)
+             for asked, made, reply in zip(c.asked, c.made, replies)]
+    return sequence(tok, turns, c.history, reasoning)
 
 
 class Progress:
@@ -457,6 +508,8 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
            "dtype": None if endpoint else resolve_dtype(cfg.dtype)}
     if not endpoint and cfg.packed_linears and (int4_rows := int4_matmul_rows(cfg.dtype)):
         gen["int4_rows"] = int4_rows  # only where used: older outputs keep their key
+    if cfg.reasoning != "keep":
+        gen["reasoning"] = cfg.reasoning  # only where not the default: older outputs keep their key
     if endpoint:
         gen["endpoint"] = _public_url(endpoint)
     key = resume_key(meta, tok, gen)
@@ -730,7 +783,7 @@ def run_local(target_dir, convos: list[Convo], turns: Turns, cfg: RegenConfig, d
     live = [c for c in convos if c.reject is None and c.rec.id not in settled]
     if all(c.rec.id in done for c in live):
         return
-    lengths = {c.rec.id: len(render_prompt(turns.tok, c.segments[0])) for c in live}
+    lengths = {c.rec.id: len(turns.prompt(c.segments[0])) for c in live}
     plan = plan_windows(live, lambda c: lengths[c.rec.id], cfg.window_batches * cfg.batch_size, cfg.seed,
                         shuffled=cfg.random_order)
     target = None
@@ -791,22 +844,23 @@ def converse(client: ChatClient, c: Convo, turns: Turns, cfg: RegenConfig, clock
         msgs, _, budget = nxt
         try:
             reply = client.chat(msgs, budget, temperature, cfg.top_p,
-                                turn_seed(cfg.seed, c.rec.id, k) if cfg.do_sample else None)
+                                turn_seed(cfg.seed, c.rec.id, k) if cfg.do_sample else None, cfg.reasoning)
         except EndpointRequestError as e:
             c.reject = e.reason
             break
-        n = reply.completion_tokens
-        if n is None:
-            with turns.lock:
-                n = len(encode(turns.tok, reply.content))
-        turns.answer(c, msgs, reply.content, reply.finish_reason, n)
+        with turns.lock:
+            thought, content = turns.text_reply(reply.content, reply.reasoning)
+            n = reply.completion_tokens
+            if n is None:
+                n = len(encode(turns.tok, thought + content))
+        turns.answer(c, msgs, content, reply.finish_reason, n, thought)
     return c
 
 
 def kv_token_budget(model, fraction: float = 0.25) -> int:
     """KV entries that fit in `fraction` of the machine's RAM (its total, not what is free now, so the
     plan does not change between a run and its resume)."""
-    c = model.config
+    c = model.config.get_text_config()  # a nested (multimodal) config keeps the decoder's sizes inside
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     itemsize = next(model.parameters()).element_size()
@@ -846,9 +900,10 @@ def decode_conversations(model, convos: list[Convo], turns: Turns, cfg: RegenCon
 
     def answered(r: Request, g) -> None:
         c, k, msgs = r.tag
-        body = g.tokens[:-1] if g.finish_reason == "stop" else g.tokens  # the EOT is the template's
-        text = turns.tok.decode(body, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-        turns.answer(c, msgs, text, g.finish_reason, len(g.tokens))
+        # the turn as generated (its stop token included); the history gets its text for the next turn
+        made, thought, content = generated_turn(turns.tok, r.ids, g.tokens, g.finish_reason == "stop",
+                                                cfg.reasoning)
+        turns.answer(c, msgs, content, g.finish_reason, len(g.tokens), thought, made)
         if k + 1 < len(c.segments) and out_of_time():
             stop_for_time(c, k + 1)  # written now: no cache copy held for a turn that will not start
             follow = None

@@ -1,0 +1,388 @@
+"""Golden loss masks under every committed family template (eagle3_platform/data/templates/*.jinja).
+
+Each family's real template on the tiny BPE with that family's special tokens (testing/family_templates):
+the masked tokens decode to exactly the assistant turns (with and without reasoning) plus their
+end-of-turn token, nothing of the system or user text, single- and multi-turn; an answer the target
+generated is masked on exactly its generated ids; a template that refuses a conversation rejects that
+record with the template's reason and the partition completes.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from eagle3_platform.data import chat
+from eagle3_platform.data.chat import (TemplateError, encode, end_of_turn, generated_turn, reasoning_markers,
+                                       render, render_prompt, sequence, text_turn)
+from eagle3_platform.testing.family_templates import FAMILY_TOKENS, TEMPLATES, family_tokenizer
+
+FAMILIES = sorted(FAMILY_TOKENS)
+REASONING_FAMILIES = ["gpt-oss", "qwen3", "qwen3-moe"]
+SYSTEM, USER1, USER2 = "Be brief and kind.", "What is the capital of France?", "Add 1 and 2."
+SINGLE = [{"role": "user", "content": USER1}, {"role": "assistant", "content": "Paris."}]
+MULTI = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER1},
+         {"role": "assistant", "content": "Paris."}, {"role": "user", "content": USER2},
+         {"role": "assistant", "content": "The answer is 3."}]
+THOUGHTS = ["The user asks for a capital.", "1 + 2 = 3, step by step."]
+# turns trained in MULTI: a template that rewrites an earlier turn in later prompts trains the last only
+# (Qwen3: the empty <think> block of the answer is gone from the history; GPT-OSS: <|return|> -> <|end|>;
+# Mistral: the system prompt moves to the last user turn)
+MULTI_TRAINED = {"gemma3": [0, 1], "gpt-oss": [1], "llama3": [0, 1], "llama4": [0, 1], "mistral": [1],
+                 "phi4-mini": [0, 1], "qwen2.5": [0, 1], "qwen3": [1], "qwen3-moe": [1]}
+
+
+@pytest.fixture(scope="module")
+def toks():
+    return {f: family_tokenizer(f) for f in FAMILIES}
+
+
+def runs(tok, ids, mask) -> list[str]:
+    """Decoded text of each maximal run of mask==1."""
+    out, cur = [], []
+    for i, m in zip(ids + [None], mask + [0]):
+        if m:
+            cur.append(i)
+        elif cur:
+            out.append(tok.decode(cur))
+            cur = []
+    return out
+
+
+def unmasked(tok, ids, mask) -> str:
+    return tok.decode([i for i, m in zip(ids, mask) if not m])
+
+
+def plain(text: str, family: str) -> str:
+    """Mistral writes a space before an answer; it joins the answer's first token (as generated)."""
+    return text.removeprefix(" ") if family == "mistral" else text
+
+
+def with_thoughts(messages, thoughts=THOUGHTS):
+    out, k = [], 0
+    for m in messages:
+        m = dict(m)
+        if m["role"] == "assistant":
+            m["reasoning_content"], k = thoughts[k], k + 1
+        out.append(m)
+    return out
+
+
+def trained_turns(tok, messages, reasoning="keep") -> list[int]:
+    turns = [text_turn(tok, messages[:i], m, reasoning) for i, m in enumerate(messages) if m["role"] == "assistant"]
+    return sequence(tok, turns, messages, reasoning).turns
+
+
+# ------------------------------------------------------------------------------------------- templates
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_template_names_its_source_and_renders(family, toks):
+    text = (TEMPLATES / f"{family}.jinja").read_text()
+    assert text.startswith("{#- source: ") and "#}" in text.splitlines()[0]
+    assert "huggingface" in text.splitlines()[0].lower() or "/" in text.splitlines()[0]
+    tok = toks[family]
+    body = text.split("-#}\n", 1)[1]
+    # the header comment changes nothing the template renders
+    bare = family_tokenizer(family)
+    bare.chat_template = body
+    for msgs in (SINGLE, MULTI):
+        assert chat.apply_template(tok, msgs) == chat.apply_template(bare, msgs)
+
+
+def test_qwen3_moe_ships_the_qwen3_template():
+    strip = lambda f: (TEMPLATES / f"{f}.jinja").read_text().split("-#}\n", 1)[1]  # noqa: E731
+    assert strip("qwen3-moe") == strip("qwen3")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_end_of_turn_is_the_families_own(family, toks):
+    want = {"gemma3": "<end_of_turn>", "gpt-oss": "<|return|>", "llama3": "<|eot_id|>", "llama4": "<|eot|>",
+            "mistral": "</s>", "phi4-mini": "<|end|>", "qwen2.5": "<|im_end|>", "qwen3": "<|im_end|>",
+            "qwen3-moe": "<|im_end|>"}
+    assert end_of_turn(toks[family]) == want[family]
+
+
+# ---------------------------------------------------------------------------------------- text answers
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_single_turn_mask_is_the_answer_plus_eot(family, toks):
+    tok = toks[family]
+    ids, mask = render(tok, SINGLE)
+    assert [plain(r, family) for r in runs(tok, ids, mask)] == ["Paris." + end_of_turn(tok)]
+    assert USER1 in unmasked(tok, ids, mask)
+    assert ids[: len(render_prompt(tok, SINGLE[:1]))] == render_prompt(tok, SINGLE[:1])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_multi_turn_masks_each_trained_turn_and_no_system_or_user_text(family, toks):
+    tok = toks[family]
+    ids, mask = render(tok, MULTI)
+    trained = trained_turns(tok, MULTI)
+    assert trained == MULTI_TRAINED[family]
+    answers = ["Paris.", "The answer is 3."]
+    assert [plain(r, family) for r in runs(tok, ids, mask)] == [answers[t] + end_of_turn(tok) for t in trained]
+    masked = "".join(runs(tok, ids, mask))
+    for text in (SYSTEM, USER1, USER2):
+        assert text not in masked and text in tok.decode(ids)
+    # the last trained turn sits right after the prompt the target was given for it
+    last = [i for i, m in enumerate(MULTI) if m["role"] == "assistant"][trained[-1]]
+    prompt = render_prompt(tok, MULTI[:last])
+    assert ids[: len(prompt)] == prompt and 1 in mask[len(prompt):]
+    assert trained != [1] or not any(mask[: len(prompt)])  # a rewritten history is context only
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama3"])
+def test_a_template_that_trims_keeps_the_mask_on_the_stored_answer(family, toks):
+    """Gemma-3 and Llama-3 trim the content: an answer stored stripped is masked exactly."""
+    tok = toks[family]
+    ids, mask = render(tok, [SINGLE[0], {"role": "assistant", "content": "  Paris.\n"}])
+    assert runs(tok, ids, mask) == ["Paris." + end_of_turn(tok)]
+
+
+@pytest.mark.parametrize("family", REASONING_FAMILIES)
+def test_reasoning_kept_is_trained_and_the_templates_headers_are_not(family, toks):
+    tok = toks[family]
+    msgs = with_thoughts(MULTI)
+    ids, mask = render(tok, msgs, "keep")
+    # the last turn (the earlier one is rewritten without its thinking in later prompts): its thought,
+    # then its answer + end-of-turn; the template's opener/separator around them stay unmasked
+    assert runs(tok, ids, mask) == [THOUGHTS[1], "The answer is 3." + end_of_turn(tok)]
+    m = reasoning_markers(tok)
+    assert m.opener in unmasked(tok, ids, mask) and m.separator in unmasked(tok, ids, mask)
+    assert THOUGHTS[0] not in tok.decode(ids)  # the template drops earlier thinking
+
+
+@pytest.mark.parametrize("family", REASONING_FAMILIES)
+def test_reasoning_dropped_is_nowhere_in_the_record(family, toks):
+    tok = toks[family]
+    ids, mask = render(tok, with_thoughts(SINGLE), "drop")
+    assert runs(tok, ids, mask) == ["Paris." + end_of_turn(tok)]
+    assert THOUGHTS[0] not in tok.decode(ids)
+    if family.startswith("qwen3"):  # asked not to think: the template's empty block is in the prompt
+        assert "<think>\n\n</think>\n\n" in unmasked(tok, ids, mask)
+    else:
+        assert "<|channel|>final<|message|>" in unmasked(tok, ids, mask)
+
+
+def test_qwen3_empty_think_block_the_template_inserts_is_not_trained(toks):
+    tok = toks["qwen3"]
+    ids, mask = render(tok, SINGLE)  # no reasoning: the template writes <think>\n\n</think>\n\n itself
+    assert "<think>\n\n</think>\n\n" in tok.decode(ids)
+    assert runs(tok, ids, mask) == ["Paris.<|im_end|>"]
+
+
+@pytest.mark.parametrize("family", sorted(set(FAMILIES) - set(REASONING_FAMILIES)))
+def test_reasoning_a_template_cannot_render_is_refused(family, toks):
+    with pytest.raises(TemplateError, match="renders no reasoning"):
+        render(toks[family], with_thoughts(SINGLE), "keep")
+    ids, mask = render(toks[family], with_thoughts(SINGLE), "drop")
+    assert [plain(r, family) for r in runs(toks[family], ids, mask)] == ["Paris." + end_of_turn(toks[family])]
+
+
+def test_generation_block_gives_the_templates_own_mask(toks):
+    """A template with {% generation %} is masked by transformers' assistant mask, not by diffing."""
+    tok = family_tokenizer("qwen2.5")
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}"
+        "{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
+        "{% else %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    ids, mask = render(tok, MULTI)
+    assert runs(tok, ids, mask) == ["Paris.<|im_end|>", "The answer is 3.<|im_end|>"]
+    assert chat._has_generation_block(tok) and not chat._has_generation_block(toks["qwen2.5"])
+
+
+# -------------------------------------------------------------------------------- generated answers
+
+def generate(tok, text: str, stop: bool = True) -> list[int]:
+    """What a target would emit for `text` (its stop token last)."""
+    return encode(tok, text) + ([tok.convert_tokens_to_ids(end_of_turn(tok))] if stop else [])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generated_answer_is_masked_on_exactly_its_ids(family, toks):
+    tok = toks[family]
+    prompt = render_prompt(tok, SINGLE[:1])
+    for text in ("Paris.", "  Paris, with spaces the template would trim.  ", " Paris."):
+        ids = generate(tok, text)
+        turn, thought, content = generated_turn(tok, prompt, ids, True)
+        assert (turn.prompt, turn.answer, turn.mask) == (prompt, ids, [1] * len(ids))
+        assert (thought, content) == ("", text)
+        seq = sequence(tok, [turn])
+        assert seq.input_ids[: len(prompt) + len(ids)] == prompt + ids
+        assert runs(tok, seq.input_ids, seq.loss_mask) == [text + end_of_turn(tok)]
+    cut = generate(tok, "Par", stop=False)  # cut by max_new_tokens: no end-of-turn was generated
+    turn, _, _ = generated_turn(tok, prompt, cut, False)
+    assert turn.answer == cut and turn.mask == [1] * len(cut)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generated_multi_turn_continues_where_the_template_keeps_the_history(family, toks):
+    tok = toks[family]
+    history, turns = [], []
+    for user, answer in ((USER1, "Paris."), (USER2, "The answer is 3.")):
+        history.append({"role": "user", "content": user})
+        prompt = render_prompt(tok, history)
+        turn, _, content = generated_turn(tok, prompt, generate(tok, answer), True)
+        turns.append(turn)
+        history.append({"role": "assistant", "content": content})
+    seq = sequence(tok, turns, history)
+    # GPT-OSS ends the history's answers with <|end|>, not the generated <|return|>; Mistral writes a space
+    # before each answer of the history, which a SentencePiece target generates ("▁Paris") but the
+    # byte-level stand-in here does not; Qwen3 keeps an answer without thinking as it was generated
+    want = {"gpt-oss": [1], "mistral": [1]}.get(family, [0, 1])
+    assert seq.turns == want
+    answers = ["Paris.", "The answer is 3."]
+    assert runs(tok, seq.input_ids, seq.loss_mask) == [answers[t] + end_of_turn(tok) for t in want]
+
+
+GENERATED_THINKING = {
+    "qwen3": "<think>\n1 + 2 = 3, step by step.\n</think>\n\nThe answer is 3.",
+    "qwen3-moe": "<think>\n1 + 2 = 3, step by step.\n</think>\n\nThe answer is 3.",
+    "gpt-oss": "<|channel|>analysis<|message|>1 + 2 = 3, step by step.<|end|><|start|>assistant"
+               "<|channel|>final<|message|>The answer is 3.",
+}
+
+
+@pytest.mark.parametrize("family", REASONING_FAMILIES)
+def test_generated_thinking_kept_is_trained_whole(family, toks):
+    tok = toks[family]
+    prompt = render_prompt(tok, [{"role": "user", "content": USER2}], "keep")
+    ids = generate(tok, GENERATED_THINKING[family])
+    turn, thought, content = generated_turn(tok, prompt, ids, True, "keep")
+    assert turn.answer == ids and turn.mask == [1] * len(ids)  # every generated id, headers included
+    assert (thought, content) == (THOUGHTS[1], "The answer is 3.")
+
+
+def test_generated_qwen3_thinking_is_trained_on_the_last_turn_only(toks):
+    """Qwen3's template drops an earlier turn's thinking from later prompts: that turn, as generated,
+    is not what the target saw next, so the record is the last turn's view."""
+    tok = toks["qwen3"]
+    history, turns = [], []
+    for user in (USER1, USER2):
+        history.append({"role": "user", "content": user})
+        turn, thought, content = generated_turn(tok, render_prompt(tok, history),
+                                                generate(tok, GENERATED_THINKING["qwen3"]), True)
+        turns.append(turn)
+        history.append({"role": "assistant", "content": content, "reasoning_content": thought})
+    seq = sequence(tok, turns, history)
+    assert seq.turns == [1]
+    assert runs(tok, seq.input_ids, seq.loss_mask) == [GENERATED_THINKING["qwen3"] + "<|im_end|>"]
+    assert tok.decode(seq.input_ids).count("step by step") == 1
+
+
+@pytest.mark.parametrize("family", REASONING_FAMILIES)
+def test_generated_thinking_dropped_is_cut_and_headers_are_not_trained(family, toks):
+    tok = toks[family]
+    prompt = render_prompt(tok, [{"role": "user", "content": USER2}], "drop")
+    ids = generate(tok, GENERATED_THINKING[family])
+    turn, thought, content = generated_turn(tok, prompt, ids, True, "drop")
+    assert (thought, content) == ("", "The answer is 3.")
+    seq = sequence(tok, [turn])
+    assert runs(tok, seq.input_ids, seq.loss_mask) == ["The answer is 3." + end_of_turn(tok)]
+    assert "step by step" not in tok.decode(seq.input_ids)
+    header = reasoning_markers(tok).plain_header  # GPT-OSS's <|channel|>final<|message|>, Qwen3's none
+    assert tok.decode(turn.answer).startswith(header)
+    assert not header or header not in "".join(runs(tok, seq.input_ids, seq.loss_mask))
+
+
+# ------------------------------------------------------------------------ rejection, partition goes on
+
+class _Replies(BaseHTTPRequestHandler):
+    """An OpenAI-compatible endpoint: an empty answer to 'SAY NOTHING'; reasoning_content beside the
+    content for a question holding 'THINK'. Keeps the request bodies."""
+
+    bodies: list[dict] = []
+
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.bodies.append(body)
+        last = body["messages"][-1]["content"]
+        msg = {"role": "assistant", "content": "" if "SAY NOTHING" in last else f"Answer to {last}"}
+        if "THINK" in last:
+            msg["reasoning_content"] = f"Thinking about {last}"
+        out = json.dumps({"choices": [{"message": msg, "finish_reason": "stop"}],
+                          "usage": {"completion_tokens": 5}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    def do_GET(self):  # noqa: N802
+        self.send_response(404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def endpoint():
+    _Replies.bodies = []
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Replies)
+    th = threading.Thread(target=srv.serve_forever, daemon=True)
+    th.start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+    th.join()
+
+
+def family_target(tiny_target_dir, family, tmp_path):
+    import shutil
+
+    out = tmp_path / f"target-{family}"
+    shutil.copytree(tiny_target_dir, out)
+    family_tokenizer(family).save_pretrained(out)
+    return out
+
+
+def regenerate(tmp_path, target, users: list[list[str]], endpoint, reasoning="keep"):
+    from dataclasses import replace
+
+    from eagle3_platform.data.regenerate import PRESETS, regenerate_file
+    from eagle3_platform.store.records import read_jsonl
+
+    rows = [{"id": f"r{i}", "workload": "multi_turn", "source": "test", "license": "MIT",
+             "messages": [{"role": "user", "content": u} for u in us]} for i, us in enumerate(users)]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s = regenerate_file(target, inp, tmp_path / "out.jsonl", replace(PRESETS["tiny"], reasoning=reasoning),
+                        endpoint=endpoint, scanner=False, rejected_path=tmp_path / "rej.jsonl")
+    return s, list(read_jsonl(tmp_path / "out.jsonl")), list(read_jsonl(tmp_path / "rej.jsonl"))
+
+
+def test_a_record_the_template_refuses_is_rejected_and_the_partition_completes(tiny_target_dir, tmp_path,
+                                                                                endpoint):
+    """Mistral's template refuses an empty assistant turn: the conversation whose first answer is empty
+    is rejected with the template's own reason; the others are written."""
+    target = family_target(tiny_target_dir, "mistral", tmp_path)
+    s, out, rej = regenerate(tmp_path, target, [["Hi there"], ["SAY NOTHING", "and then?"], ["One", "Two"]],
+                             endpoint)
+    assert (s["read"], s["written"], s["rejected"]) == (3, 2, 1)
+    (reason,) = s["by_reason"]
+    assert reason.startswith("template:Assistant message must have") and [r["id"] for r in rej] == ["r1"]
+    tok = family_tokenizer("mistral")
+    by_id = {r["id"]: r for r in out}
+    assert runs(tok, by_id["r0"]["input_ids"], by_id["r0"]["loss_mask"]) == ["Answer to Hi there</s>"]
+
+
+@pytest.mark.parametrize("reasoning", ["keep", "drop"])
+def test_endpoint_reasoning_content_is_kept_or_dropped(tiny_target_dir, tmp_path, endpoint, reasoning):
+    target = family_target(tiny_target_dir, "qwen3", tmp_path)
+    s, out, _ = regenerate(tmp_path, target, [["Why THINK?"]], endpoint, reasoning)
+    assert s["written"] == 1
+    (rec,) = out
+    tok = family_tokenizer("qwen3")
+    got = runs(tok, rec["input_ids"], rec["loss_mask"])
+    if reasoning == "keep":
+        assert got == ["Thinking about Why THINK?", "Answer to Why THINK?<|im_end|>"]
+        assert "chat_template_kwargs" not in _Replies.bodies[-1]
+    else:
+        assert got == ["Answer to Why THINK?<|im_end|>"] and "Thinking" not in tok.decode(rec["input_ids"])
+        assert _Replies.bodies[-1]["chat_template_kwargs"] == {"enable_thinking": False}
+        assert rec["generation"]["reasoning"] == "drop"
+    assert rec["messages"][-1] == {"role": "assistant", "content": "Answer to Why THINK?"}
