@@ -15,7 +15,7 @@ from dagster import (AssetExecutionContext, MaterializeResult, MetadataValue, Ta
 from eagle3_platform.cli.summary import run_with_summary
 from eagle3_platform.progress import parse as parse_progress
 
-from assets.deploy import deployment
+from assets.deploy import deployment, servers
 from assets.metadata import OWNERS, dict_table, location, png_markdown, rounded, summary_metadata
 from assets.partitions import Keys, workload_partitions
 from resources import PresetResource, ServingResource, StorageResource, TargetResource
@@ -57,11 +57,13 @@ def benchmark_report(context: AssetExecutionContext, storage: StorageResource, t
     tdir = target.dir()
     # side by side (the sweep alternates between them), started one after the other; on SGLang each
     # holds serving.bench_mem_fraction_static of the GPUs' memory, so both fit
+    registry = servers(storage)  # both die with this step; a killed run's are stopped by the next start
     base = serving.launch(tdir, None, log_path=out / "baseline.log", preset=preset.name,
-                          port=serving.baseline_port, compute=preset.compute(), shared=True)
+                          port=serving.baseline_port, compute=preset.compute(), shared=True,
+                          registry=registry, role="bench-baseline")
     try:
         spec = serving.launch(tdir, export, log_path=out / "eagle3.log", preset=preset.name,
-                              compute=preset.compute(), shared=True)
+                              compute=preset.compute(), shared=True, registry=registry, role="bench-eagle3")
         try:
             args = bench_args(preset.area("bench"), spec.url, base.url, out / "prompts.jsonl",
                               out / "report", serving.bench_duration_s, preset.name)

@@ -26,8 +26,10 @@ from dagster._core.execution.api import execute_run
 from dagster._core.execution.execute_in_process import merge_run_tags
 from dagster._time import get_current_datetime
 
+from assets.deploy import not_serving, servers
 from assets.jobs import JOB_OF, SERVE
 from assets.metadata import REBUILD_TAG, location
+from assets.runs import fail_abandoned_runs, launcher_tag
 from resources.instance import job_origin, project_instance
 
 RUN_CONFIG = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
@@ -109,7 +111,8 @@ def launch(instance, defs, job_name: str, selection=None, partition=None, tags=N
     """One run of the defined job `job_name` over `selection` (None: the whole job), executed here and
     recorded in the instance as belonging to the workspace's code location (so the UI can re-execute it)."""
     job = defs.resolve_job_def(job_name)
-    tags = merge_run_tags(job, partition, {**LAUNCHED_BY, **(tags or {})}, selection, instance, RUN_CONFIG)
+    tags = merge_run_tags(job, partition, {**LAUNCHED_BY, **launcher_tag(), **(tags or {})}, selection, instance,
+                          RUN_CONFIG)
     run = instance.create_run_for_job(job_def=job, run_config=RUN_CONFIG, tags=tags,
                                       asset_selection=frozenset(selection) if selection else None,
                                       remote_job_origin=job_origin(job_name))
@@ -119,7 +122,8 @@ def launch(instance, defs, job_name: str, selection=None, partition=None, tags=N
 def step(instance, defs, name, keys, partition, force: bool, tags: dict) -> dict:
     graph, storage = defs.resolve_asset_graph(), defs.resources["storage"]
     resolver = stale_resolver(instance, graph)
-    reasons = {k: "--force" if force else rebuild_reason(resolver, instance, storage, k, partition) for k in keys}
+    reasons = {k: "--force" if force else rebuild_reason(resolver, instance, storage, k, partition)
+               or not_serving(defs.resources, k) for k in keys}
     first = next((i for i, k in enumerate(keys) if reasons[k]), None)
     if first is None:
         log(f"{name}: up to date, skipped (--force to rebuild)")
@@ -183,8 +187,12 @@ def run(a: SimpleNamespace) -> dict:
         os.environ["EAGLE3_DATA_DIR"] = str(Path(a.data_dir).resolve())
     instance = project_instance(a.dagster_home)
     home = Path(os.environ["DAGSTER_HOME"])
+    for run_id in fail_abandoned_runs(instance):
+        log(f"run {run_id}: marked failed (its launcher was killed before it ended)")
     defs = definitions_for(a)
     res = defs.resources
+    for pid in servers(res["storage"]).reap():
+        log(f"stopped server pid {pid}: left running by a run that was killed")
     log(f"preset={a.preset} target={res['target'].model} env={a.env or os.environ.get('EAGLE3_ENV', 'local')} "
         f"storage={res['storage'].uri('')} DAGSTER_HOME={home}")
     t0 = time.perf_counter()

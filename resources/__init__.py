@@ -6,7 +6,8 @@ STORAGE_EMULATOR_HOST to use a local emulator.
 Other knobs: EAGLE3_PRESET (tiny|demo|cpu|full), EAGLE3_DTYPE (auto|bfloat16|float32) and
 EAGLE3_TORCH_THREADS (0 = every core) overriding the preset's compute settings in every model-running
 stage, EAGLE3_TARGET (model id or path), EAGLE3_COMPUTE (in_process|pipes), EAGLE3_SERVING (auto|embedded|sglang), EAGLE3_BENCH_DURATION_S (seconds per
-load-test cell, overriding the bench preset: slow shared machines).
+load-test cell, overriding the bench preset: slow shared machines), EAGLE3_KEEP_SERVING=1 (the deployment
+keeps serving after the run: `eagle3 run --keep-serving`; `eagle3 stop` stops it).
 """
 from __future__ import annotations
 
@@ -58,5 +59,6 @@ def build_resources(env: str | None = None, preset: str | None = None, target: s
                                  prompts_per_workload=prompts_per_workload),
         "compute": ComputeResource(mode=os.environ.get("EAGLE3_COMPUTE", "in_process")),
         "serving": ServingResource(mode=os.environ.get("EAGLE3_SERVING", "auto"),
-                                   bench_duration_s=_int_env("EAGLE3_BENCH_DURATION_S")),
+                                   bench_duration_s=_int_env("EAGLE3_BENCH_DURATION_S"),
+                                   keep_running=os.environ.get("EAGLE3_KEEP_SERVING") == "1"),
     }

@@ -63,10 +63,13 @@ class ServingResource(ConfigurableResource):
         return SPEC_FOR_PRESET[preset]
 
     def launch(self, target_dir, draft_dir=None, log_path=None, preset: str = "demo", port=None,
-               compute: dict | None = None, shared: bool = False):
+               compute: dict | None = None, shared: bool = False, registry=None, persistent: bool = False,
+               role: str = "server"):
         """Start an endpoint (draft_dir None = the baseline); returns a handle with .url and .stop().
         compute: the preset's compute overrides (dtype, torch_threads) for the embedded server.
-        shared: one of the benchmark's two servers on the same GPUs (bench_mem_fraction_static)."""
+        shared: one of the benchmark's two servers on the same GPUs (bench_mem_fraction_static).
+        registry (serve.launch.ServerRegistry): records it (pid, role) after stopping the leftovers
+        recorded there; persistent: it outlives the step (else it dies with it)."""
         mode = self.resolved_mode()
         if mode == "embedded":
             compute = compute or {}
@@ -78,7 +81,7 @@ class ServingResource(ConfigurableResource):
                                          port=self.port if port is None else port,
                                          api_key=self.api_key, spec=self.spec_name(preset),
                                          log_path=log_path, timeout=self.startup_timeout_s,
-                                         extra_args=flags)
+                                         extra_args=flags, registry=registry, persistent=persistent, role=role)
         from eagle3_platform.serve.sglang import SGLangServer
 
         cfg = self.sglang_config(target_dir, draft_dir, preset, port, shared)
@@ -86,7 +89,12 @@ class ServingResource(ConfigurableResource):
         if not Path(python).is_file():
             raise FileNotFoundError(f"no SGLang environment at {python}: build it with bash scripts/sglang_env.sh "
                                     "or set the serving resource's sglang_python (EAGLE3_SGLANG_PYTHON)")
-        return SGLangServer(cfg, log_path=log_path, python=python, api_key=self.api_key).start(self.startup_timeout_s)
+        reaped = registry.reap() if registry is not None else []
+        server = SGLangServer(cfg, log_path=log_path, python=python, api_key=self.api_key).start(self.startup_timeout_s)
+        if registry is not None:
+            registry.record(server.pid, url=server.url, role=role, persistent=persistent, log=log_path)
+        server.reaped = reaped
+        return server
 
     def sglang_config(self, target_dir, draft_dir, preset: str, port=None, shared: bool = False):
         """SGLang launch settings: the three speculative ints from this resource, else from the

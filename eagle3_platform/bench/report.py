@@ -346,6 +346,14 @@ def write_report(results: dict, out_dir: str | Path) -> dict:
              "html": str(out_dir / "report.html"), "plots": [str(out_dir / p) for p in plots]}
     for name, text in (("report.md", markdown(results, plots)),
                        ("report.html", html_report(results, out_dir, plots)),
-                       ("results.json", json.dumps({**results, "files": files}, indent=2, default=str))):
+                       ("results.json", json.dumps({**results, "files": _names(files, out_dir)}, indent=2,
+                                                   default=str))):
         atomic_write(out_dir / name, lambda tmp, text=text: tmp.write_text(text, encoding="utf-8"))
     return files
+
+
+def _names(files: dict, out_dir: Path) -> dict:
+    """The report's files as results.json records them: relative to its own directory, which moves
+    when a run's scratch directory is published (an absolute path there would name a file gone)."""
+    rel = lambda f: str(Path(f).relative_to(out_dir))  # noqa: E731
+    return {k: [rel(f) for f in v] if isinstance(v, list) else rel(v) for k, v in files.items()}

@@ -221,7 +221,7 @@ def run_benchmark(url: str, prompts_path: str | Path, concurrency=(1, 2, 4, 8),
     results = {"config": {"concurrency": list(cfg.concurrency), "duration_s": cfg.duration_s,
                           "max_tokens": cfg.max_tokens, "warmup_requests": cfg.warmup_requests,
                           "warmup_waves": cfg.warmup_waves,
-                          "prompts": str(source),
+                          "prompts": Path(source).name,  # the path may be a scratch dir, gone once published
                           "n_prompts": len(rows), "prompts_skipped_too_long": skipped,
                           "max_prompt_chars": max_prompt_chars, "workloads": sorted(set(wl)),
                           "endpoints": {k: v for k, v in endpoints}},

@@ -17,6 +17,7 @@ LAUNCHER = "assets.launch"
 # The child reads these at import (presidio's suffix list, the HF hub): offline unless the caller says so.
 CHILD_ENV = {"TLDEXTRACT_PUBLIC_SUFFIX_LIST_URLS": "", "HF_HUB_OFFLINE": "1", "DAGSTER_DISABLE_TELEMETRY": "1",
              "TOKENIZERS_PARALLELISM": "false"}
+KEEP_SERVING_ENV = "EAGLE3_KEEP_SERVING"  # the serving resource's keep_running (resources/__init__.py)
 
 
 def add_commands(sub) -> None:
@@ -41,6 +42,9 @@ def add_commands(sub) -> None:
                         "keeping its share, 64); a larger set keeps the answers already made and "
                         "regenerates only the new prompts")
     p.add_argument("--force", action="store_true", help="rebuild what is neither missing nor stale")
+    p.add_argument("--keep-serving", action="store_true",
+                   help="the deployment keeps serving after the run (redeployed when it is not up); "
+                        "`eagle3 stop` stops it")
     p.set_defaults(func=run)
 
 
@@ -71,7 +75,8 @@ def run(a) -> dict:
     if not (PROJECT_ROOT / "assets" / "launch.py").exists():
         raise FileNotFoundError(f"assets/launch.py not found beside the package at {PROJECT_ROOT}; "
                                 "`eagle3 run` needs the project checkout (definitions + assets)")
-    rc, summary = run_with_summary(cmd, cwd=PROJECT_ROOT, echo=_forward, env={**CHILD_ENV, **os.environ})
+    env = {**CHILD_ENV, **os.environ, **({KEEP_SERVING_ENV: "1"} if a.keep_serving else {})}
+    rc, summary = run_with_summary(cmd, cwd=PROJECT_ROOT, echo=_forward, env=env)
     if not summary["ok"]:
         raise ValueError(f"run failed (exit {rc}): {summary['error']}")
     summary.pop("ok", None)

@@ -1,4 +1,5 @@
-"""`eagle3 serve`: the embedded OpenAI-compatible server (baseline without --draft)."""
+"""`eagle3 serve`: the embedded OpenAI-compatible server (baseline without --draft); `eagle3 stop`:
+the servers a data dir's runs recorded (the persistent deployment, a killed run's leftovers)."""
 from __future__ import annotations
 
 import logging
@@ -33,6 +34,13 @@ def add_commands(sub) -> None:
     p.add_argument("--dtype", default=None, help="auto | bfloat16 | float32 (default: the preset's)")
     p.add_argument("--ready-file", default=None, help="write {url, port, pid} here once bound")
     p.set_defaults(func=serve)
+
+    p = sub.add_parser("stop", help="stop the persistent deployment (and any killed run's leftover servers) "
+                                    "recorded under a data dir")
+    p.add_argument("--data-dir", default=None,
+                   help="the runs' local data dir (default: $EAGLE3_DATA_DIR or <project>/data)")
+    p.add_argument("--list", action="store_true", help="only list the recorded servers and whether each is up")
+    p.set_defaults(func=stop)
 
 
 def serve_config(a):
@@ -70,3 +78,34 @@ def serve(a) -> dict:
     app = build_app(engine, target.tokenizer, cfg, model_name=name, context_length=context,
                     api_key=api_key, info={**info, "kernel_cache_entries": kernel_caches})
     return run_server(app, cfg, ready_file=a.ready_file, sock=sock)
+
+
+def stop(a) -> dict:
+    """Stops (or with --list only lists) the servers recorded under DATA_DIR/servers: the persistent
+    deployment and transient servers whose run is gone. A running step's own servers are left to it."""
+    from pathlib import Path
+
+    from eagle3_platform.cli.run import PROJECT_ROOT
+    from eagle3_platform.serve.launch import REGISTRY_DIR, ServerRegistry
+
+    data_dir = Path(a.data_dir or os.environ.get("EAGLE3_DATA_DIR") or PROJECT_ROOT / "data")
+    if not data_dir.is_dir():
+        raise FileNotFoundError(f"--data-dir {data_dir}: no such directory")
+    registry = ServerRegistry(data_dir / REGISTRY_DIR)
+    servers = [{**{k: r[k] for k in ("pid", "role", "url", "persistent", "owned")}, "up": _up(r["url"])}
+               for r in registry.entries()]
+    if a.list:
+        return {"data_dir": str(data_dir), "servers": servers}
+    stopped = registry.stop()
+    return {"data_dir": str(data_dir), "stopped": stopped,
+            "left_running": [s for s in servers if s["pid"] not in stopped]}
+
+
+def _up(url: str | None) -> bool:
+    """Whether the server answers /health now (which needs no API key)."""
+    import httpx
+
+    try:
+        return bool(url) and httpx.get(f"{url}/health", timeout=5.0).status_code == 200
+    except httpx.HTTPError:
+        return False

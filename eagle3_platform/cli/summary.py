@@ -9,6 +9,8 @@ import subprocess
 import threading
 from typing import Callable
 
+from eagle3_platform.serve.launch import die_with_parent
+
 FORWARDED = (signal.SIGTERM, signal.SIGHUP)  # stopping the caller stops the command it runs
 STOP_GRACE_S = 30.0  # a command the caller gave up on (an exception) gets this long to stop cleanly
 
@@ -18,11 +20,13 @@ def run_with_summary(cmd: list[str], echo: Callable[[str], None] | None = None, 
 
     The summary is the last JSON object line. It always has "ok", false unless the command exited 0 and
     said ok, and then an "error": the command's own, else the first uncaught exception line, else
-    that there was no summary."""
+    that there was no summary. The command gets SIGTERM when this thread ends, SIGKILL included
+    (serve.launch.die_with_parent): a killed caller leaves nothing running on its own."""
     summary, crash, proc = None, "", None
     with _Forwarder() as forwarder:
         try:
-            proc = forwarder.attach(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1, **popen))
+            proc = forwarder.attach(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1,
+                                                     preexec_fn=die_with_parent(), **popen))
             for line in proc.stdout:
                 if echo:
                     echo(line)
