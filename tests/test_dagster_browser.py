@@ -4,6 +4,7 @@ a small sweep and a short training history), opened by headless Chromium (Debian
 Playwright). A plot counts as shown only when the browser decoded its image (naturalWidth > 0, the
 PNG's own width). Screenshots of each page land in $EAGLE3_SHOTS_DIR (default /tmp/shots)."""
 import os
+import re
 import signal
 import socket
 import struct
@@ -38,6 +39,18 @@ def png_width(data: bytes) -> int:
 def training_history(steps: int = 40) -> list[dict]:
     return [{"step": s, "loss": 6.0 / (1 + 0.1 * s), "acc": [min(0.9, 0.02 * s), min(0.8, 0.015 * s)],
              "simulated_acceptance": 1 + min(1.5, 0.04 * s)} for s in range(5, steps + 1, 5)]
+
+
+def regeneration_run(home: Path, work: Path, target_dir: Path) -> str:
+    """A tiny filtered_prompts + target_responses run (one partition) in this instance; -> its run id."""
+    from dagster import DagsterInstance
+
+    from dagster_helpers import run, tiny_resources
+    from resources import StorageResource
+
+    res = tiny_resources(StorageResource(root=str(work / "data")), target_dir)
+    with DagsterInstance.from_config(str(home)) as instance:
+        return run(["filtered_prompts", "target_responses"], res, instance, "code").run_id
 
 
 def seed(home: Path, work: Path) -> dict[str, dict[str, bytes]]:
@@ -87,9 +100,20 @@ def _wait_for_definitions(url: str, proc, log: Path) -> None:
     pytest.fail(f"dagster-webserver did not load the definitions in {STARTUP_S}s: {log.read_text()[-3000:]}")
 
 
+def _skip_welcome(url: str) -> None:
+    """The UI's first-visit "join the community" dialog covers every page on 127.0.0.1 until the
+    instance records it as seen: record that, as its Skip button does."""
+    import httpx
+
+    gql = lambda q: httpx.post(f"{url}/graphql", json={"query": q}, timeout=10).json()["data"]  # noqa: E731
+    gql("mutation { setNuxSeen }")
+    assert gql("{ shouldShowNux }")["shouldShowNux"] is False
+
+
 @pytest.fixture(scope="module")
-def ui(tmp_path_factory):
-    """(webserver URL, the seeded plots' PNG bytes); the server is stopped by PID at the end."""
+def ui(tmp_path_factory, tiny_target_dir):
+    """(webserver URL, the seeded plots' PNG bytes, a regeneration's run id); the server is stopped by
+    PID at the end."""
     from resources.instance import TEMPLATE
 
     tmp = tmp_path_factory.mktemp("browser")
@@ -97,6 +121,7 @@ def ui(tmp_path_factory):
     home.mkdir()
     (home / "dagster.yaml").write_text(TEMPLATE.read_text())
     plots = seed(home, tmp)
+    run_id = regeneration_run(home, tmp, tiny_target_dir)
     port, log_path = _free_port(), tmp / "webserver.log"
     env = {**os.environ, "DAGSTER_HOME": str(home), "EAGLE3_PRESET": "tiny", "EAGLE3_DATA_DIR": str(tmp / "data"),
            "EAGLE3_CACHE": str(tmp / "cache"), "DAGSTER_DISABLE_TELEMETRY": "1"}
@@ -107,7 +132,8 @@ def ui(tmp_path_factory):
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_for_definitions(url, proc, log_path)
-        yield url, plots
+        _skip_welcome(url)
+        yield url, plots, run_id
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
@@ -135,11 +161,6 @@ def open_asset(browser, url: str, asset: str):
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.goto(f"{url}/assets/{asset}", wait_until="networkidle", timeout=120_000)
     page.get_by_text("Definition", exact=True).first.wait_for(timeout=60_000)
-    skip = page.get_by_role("button", name="Skip")  # the UI's first-visit "join the community" dialog
-    try:
-        skip.click(timeout=5_000)
-    except Exception:  # not shown: nothing to dismiss
-        pass
     return page
 
 
@@ -164,7 +185,7 @@ def shown_images(page, entry: str, shot: str | None = None) -> list[int]:
 def test_benchmark_report_page_shows_every_plot_loaded(ui, browser):
     from assets.bench import PLOT_ENTRIES
 
-    url, plots = ui
+    url, plots, _ = ui
     page = open_asset(browser, url, "benchmark_report")
     body = page.inner_text("body")
     assert "Baseline vs EAGLE-3 under a Locust concurrency sweep" in body and "ml-platform" in body
@@ -178,7 +199,7 @@ def test_benchmark_report_page_shows_every_plot_loaded(ui, browser):
 
 
 def test_draft_head_page_shows_its_training_curves_loaded(ui, browser):
-    url, plots = ui
+    url, plots, _ = ui
     page = open_asset(browser, url, "draft_head")
     assert "ml-platform" in page.inner_text("body")
     page.screenshot(path=str(shots_dir() / "draft_head_page.png"), full_page=True)
@@ -188,7 +209,7 @@ def test_draft_head_page_shows_its_training_curves_loaded(ui, browser):
 
 
 def test_source_and_catalog_pages_name_owners_and_descriptions(ui, browser):
-    url, _ = ui
+    url, _, _ = ui
     page = open_asset(browser, url, "workload_sources")
     body = page.inner_text("body")
     assert "Workload prompt sources" in body and "ml-platform" in body
@@ -197,4 +218,21 @@ def test_source_and_catalog_pages_name_owners_and_descriptions(ui, browser):
     page.goto(f"{url}/assets", wait_until="networkidle", timeout=120_000)
     page.get_by_text("benchmark_report").first.wait_for(timeout=60_000)
     page.screenshot(path=str(shots_dir() / "catalog.png"), full_page=True)
+    page.close()
+
+
+def test_a_run_page_shows_the_regeneration_progress(ui, browser):
+    """The step's log in the UI holds the progress lines (eagle3_platform.progress) with their counts."""
+    from eagle3_platform import progress
+
+    url, _, run_id = ui
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(f"{url}/runs/{run_id}", wait_until="networkidle", timeout=120_000)
+    lines = page.get_by_text(re.compile(r"\[regenerate\] \d+/\d+ conversations"))
+    lines.first.wait_for(timeout=60_000)
+    lines.first.scroll_into_view_if_needed()
+    page.screenshot(path=str(shots_dir() / "run_progress.png"))
+    shown = [progress.parse(t) for t in lines.all_inner_texts()]
+    assert shown and all(x and x.stage == "regenerate" and 0 <= x.done <= x.total for x in shown)
+    assert any(x.fraction == 1.0 for x in shown)  # a split's last line: every conversation done
     page.close()
