@@ -285,3 +285,57 @@ def test_eagle3_run_sigkilled_in_the_benchmark_leaves_no_server_and_the_rerun_st
                      and "benchmark_report" in {k.to_user_string() for k in r.asset_selection or ()})
     assert bench_run.status == DagsterRunStatus.FAILURE
     assert not [r.run_id for r in runs if not r.is_finished]
+
+
+HEALTHY = """
+import http.server, json, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404); self.end_headers()
+    def log_message(self, *a):
+        pass
+s = http.server.HTTPServer(("127.0.0.1", 0), H)
+print(s.server_address[1], flush=True)
+s.serve_forever()
+"""
+
+
+def test_keep_serving_redeploys_only_when_no_recorded_deployment_answers(tmp_path):
+    """`eagle3 run --keep-serving` after a full run: Dagster reports `deployment` fresh, yet nothing
+    serves; the launcher's extra reason (assets/deploy.py not_serving) asks for it while no persistent
+    deployment it recorded answers /health."""
+    from dagster import AssetKey
+
+    from assets.deploy import ROLE, not_serving, servers
+    from resources import ServingResource, StorageResource
+
+    storage, key = StorageResource(root=str(tmp_path)), AssetKey("deployment")
+    res = lambda keep: {"storage": storage, "serving": ServingResource(mode="embedded", keep_running=keep)}  # noqa: E731
+    assert not_serving(res(False), key) is None and not_serving(res(True), AssetKey("benchmark_report")) is None
+    assert not_serving(res(True), key) == "not serving now (--keep-serving)"
+    proc = subprocess.Popen([sys.executable, "-c", HEALTHY], stdout=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{int(proc.stdout.readline())}"
+        servers(storage).record(proc.pid, url=url, role=ROLE, persistent=True)
+        assert not_serving(res(True), key) is None
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not_serving(res(True), key) == "not serving now (--keep-serving)"  # its record went with it
+    assert servers(storage).entries() == []
+
+
+def test_the_report_names_its_files_relative_to_its_own_directory(tmp_path):
+    """The benchmark writes its report in a scratch directory that publishing moves: results.json must
+    not name a file there (no dangling paths), and what it names is found beside it after the move."""
+    from eagle3_platform.bench.report import write_report
+    from test_dagster_ui import sweep_results
+
+    files = write_report(sweep_results(), tmp_path / "scratch" / "report")
+    (tmp_path / "scratch" / "report").rename(tmp_path / "report")  # as storage.publish_from moves it
+    text = (tmp_path / "report" / "results.json").read_text()
+    assert "scratch" not in text
+    named = json.loads(text)["files"]
+    assert set(named) == set(files) and named["markdown"] == "report.md"
+    for rel in [named["results"], named["markdown"], named["html"], *named["plots"]]:
+        assert (tmp_path / "report" / rel).is_file(), rel
