@@ -103,7 +103,9 @@ def verify_stored(storage: StorageResource, target: TargetResource, w: str) -> A
                                    description="stored shards match the manifest sha256 + this target")])
 def feature_shards(context: AssetExecutionContext, storage: StorageResource, target: TargetResource,
                    preset: PresetResource, compute: ComputeResource) -> MaterializeResult:
-    """Feature shards + manifest for both splits (the eval split scores the head on held-out data)."""
+    """The target's hidden states (its capture layers and final state) over one workload's
+    conversations, as safetensors shards plus a parquet manifest per split (the eval split scores the
+    head on held-out data); a blocking check re-reads every shard against the manifest and this target."""
     w = context.partition_key
     res = {s: _extract_split(context, w, s, storage, target, preset, compute) for s in SPLITS}
     header = res["train"].get("header") or {}

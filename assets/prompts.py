@@ -39,7 +39,9 @@ def _filter_split(context, w: str, split: str, storage, target, preset, compute)
        kinds={"python", "jsonl"}, owners=OWNERS)
 def filtered_prompts(context: AssetExecutionContext, storage: StorageResource, target: TargetResource,
                      preset: PresetResource, compute: ComputeResource) -> MaterializeResult:
-    """Prompt records (kept) + rejection records with reasons; kept + rejected == read."""
+    """One workload's prompts, system and user turns only (source answers dropped), PII/DLP-filtered,
+    validated, deduplicated and (train split) decontaminated against the eval table: kept prompt
+    records plus rejection records with reasons, for the train and eval splits; kept + rejected == read."""
     from assets.sources import fingerprints
 
     w = context.partition_key
