@@ -386,3 +386,17 @@ def test_endpoint_reasoning_content_is_kept_or_dropped(tiny_target_dir, tmp_path
         assert _Replies.bodies[-1]["chat_template_kwargs"] == {"enable_thinking": False}
         assert rec["generation"]["reasoning"] == "drop"
     assert rec["messages"][-1] == {"role": "assistant", "content": "Answer to Why THINK?"}
+
+
+def test_the_reasoning_setting_reaches_regeneration_and_is_checked():
+    from dataclasses import replace
+
+    from eagle3_platform.data.regenerate import PRESETS
+    from eagle3_platform.data.stages import RegenerateRequest, regen_config
+
+    assert {p.reasoning for p in PRESETS.values()} == {"keep"}  # the target's thinking, as served
+    req = dict(target="t", in_path="i", out="o", preset="tiny")
+    assert regen_config(RegenerateRequest(**req)).reasoning == "keep"
+    assert regen_config(RegenerateRequest(**req, reasoning="drop")).reasoning == "drop"
+    with pytest.raises(ValueError, match="reasoning must be one of"):
+        replace(PRESETS["tiny"], reasoning="maybe")

@@ -58,6 +58,9 @@ def add_commands(sub) -> None:
                         "begun by then are deferred (budget:time) and retried by a rerun with budget left "
                         "(default: the preset's; 0 = no limit)")
     p.add_argument("--no-scan-responses", action="store_true", help="skip the PII/DLP scan of responses")
+    p.add_argument("--reasoning", choices=("keep", "drop"), default=None,
+                   help="a reasoning target's thinking: trained as it is emitted (keep, the presets') or "
+                        "not asked for and cut from the answers (drop)")
     p.add_argument("--restart", action="store_true",
                    help="discard what --out/--rejected hold (e.g. written for another target) and start fresh")
     add_compute_args(p)
@@ -80,6 +83,6 @@ def cmd_regenerate(a) -> dict:
         target=a.target, in_path=a.in_path, out=a.out, rejected=a.rejected, preset=a.preset,
         max_new_tokens=a.max_new_tokens, max_length=a.max_length, batch_size=a.batch_size,
         concurrency=a.concurrency, temperature=a.temperature, top_p=a.top_p, seed=a.seed,
-        time_budget_s=None if a.time_budget_min is None else a.time_budget_min * 60,
+        time_budget_s=None if a.time_budget_min is None else a.time_budget_min * 60, reasoning=a.reasoning,
         endpoint=a.endpoint, api_key=a.api_key, scan_responses=not a.no_scan_responses, restart=a.restart,
         dtype=a.dtype, torch_threads=a.threads))

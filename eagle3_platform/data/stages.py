@@ -65,6 +65,7 @@ class RegenerateRequest(ComputeRequest):
     top_p: float | None = Field(default=None, gt=0, le=1)
     seed: int | None = None
     time_budget_s: float | None = Field(default=None, ge=0)  # None: the preset's; 0: no limit
+    reasoning: Literal["keep", "drop"] | None = None  # None: the preset's (keep)
     endpoint: str | None = None  # OpenAI-compatible base URL; None = the local target
     api_key: str | None = Field(default=None, repr=False)
     scan_responses: bool = True
@@ -129,7 +130,7 @@ def regen_config(req: RegenerateRequest):
     return resolve_config(req.platform().regen, max_new_tokens=req.max_new_tokens, max_length=req.max_length,
                           batch_size=req.batch_size, concurrency=req.concurrency, seed=req.seed,
                           temperature=t, top_p=req.top_p, do_sample=None if t is None else t > 0,
-                          time_budget_s=req.time_budget_s, **req.compute_overrides())
+                          time_budget_s=req.time_budget_s, reasoning=req.reasoning, **req.compute_overrides())
 
 
 def run_regenerate(req: RegenerateRequest) -> dict:
