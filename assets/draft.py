@@ -101,7 +101,7 @@ def draft_head(context: AssetExecutionContext, storage: StorageResource, target:
         "loss_curve": MetadataValue.md(loss_table(history)),
         **summary_metadata({k: v for k, v in summary.items()
                             if k in ("steps", "epochs", "samples", "samples_left_out", "train_tokens",
-                                     "train_tokens_per_s", "resumed_from", "compute_dtype", "device")}),
+                                     "train_tokens_per_s", "resumed_from", "compute_dtype", "device", "world_size")}),
         **summary_metadata({k: v for k, v in exported.items() if k != "export_dir"}, prefix="export_")})
 
 

@@ -8,6 +8,10 @@ EAGLE3_TORCH_THREADS (0 = every core) overriding the preset's compute settings i
 stage, EAGLE3_TARGET (model id or path), EAGLE3_COMPUTE (in_process|pipes), EAGLE3_SERVING (auto|embedded|sglang), EAGLE3_BENCH_DURATION_S (seconds per
 load-test cell, overriding the bench preset: slow shared machines), EAGLE3_KEEP_SERVING=1 (the deployment
 keeps serving after the run: `eagle3 run --keep-serving`; `eagle3 stop` stops it).
+Production (docs/PRODUCTION.md): EAGLE3_TRAIN_PROCS (torchrun ranks of the training step),
+EAGLE3_K8S_CONFIG (a YAML of the stage pods' settings, resources/k8s.py), EAGLE3_SGLANG_PYTHON (the
+SGLang environment's interpreter), EAGLE3_SGLANG_TP (SGLang's tensor-parallel size),
+EAGLE3_REGEN_ENDPOINT (regenerate through this OpenAI-compatible server of the target).
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import os
 
 from eagle3_platform.config import DEFAULT_PRESET
 from resources.compute import ComputeResource
+from resources.k8s import k8s_from_env
 from resources.preset import PresetResource
 from resources.serving import ServingResource
 from resources.storage import StorageResource, default_data_dir
@@ -52,13 +57,17 @@ def build_resources(env: str | None = None, preset: str | None = None, target: s
     threads = torch_threads if torch_threads is not None else _int_env("EAGLE3_TORCH_THREADS")
     return {
         "storage": storage or storage_for_env(env),
-        "target": TargetResource(model=target or os.environ.get("EAGLE3_TARGET", "smollm2-135m-instruct")),
+        "target": TargetResource(model=target or os.environ.get("EAGLE3_TARGET", "smollm2-135m-instruct"),
+                                 endpoint=os.environ.get("EAGLE3_REGEN_ENDPOINT") or None),
         "preset": PresetResource(name=preset or os.environ.get("EAGLE3_PRESET", DEFAULT_PRESET),
                                  dtype=dtype or os.environ.get("EAGLE3_DTYPE") or None, torch_threads=threads,
                                  regen_time_budget_s=regen_time_budget_s,
                                  prompts_per_workload=prompts_per_workload),
-        "compute": ComputeResource(mode=os.environ.get("EAGLE3_COMPUTE", "in_process")),
+        "compute": ComputeResource(mode=os.environ.get("EAGLE3_COMPUTE", "in_process"),
+                                   train_procs=_int_env("EAGLE3_TRAIN_PROCS") or 1, k8s=k8s_from_env()),
         "serving": ServingResource(mode=os.environ.get("EAGLE3_SERVING", "auto"),
+                                   sglang_python=os.environ.get("EAGLE3_SGLANG_PYTHON") or None,
+                                   tp_size=_int_env("EAGLE3_SGLANG_TP") or 1,
                                    bench_duration_s=_int_env("EAGLE3_BENCH_DURATION_S"),
                                    keep_running=os.environ.get("EAGLE3_KEEP_SERVING") == "1"),
     }

@@ -5,14 +5,20 @@ Reads the stage request from the Pipes context's extras, runs it with the same
 message. The stage's progress lines (eagle3_platform.progress) travel as Pipes log messages, so they
 land in the run's event log as the in-process mode's do. Uses only `dagster_pipes` (the tiny client
 library), never `dagster` itself.
+Under torchrun (a multi-GPU training) every rank runs this module: rank 0 talks to Dagster, the
+others only read the request from the Pipes context and run their share. torchrun starts each rank
+in a session of its own, so a rank asks the kernel to kill it when torchrun dies (a killed run must not
+leave ranks that go on writing the checkpoint a resumed run reads).
 """
 from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import sys
 
-from dagster_pipes import open_dagster_pipes
+from dagster_pipes import PipesDefaultContextLoader, PipesEnvVarParamsLoader, open_dagster_pipes
 from pydantic import ValidationError
 
 from eagle3_platform import progress, stage
@@ -32,7 +38,36 @@ class PipesForward(logging.Handler):
             self.handleError(record)
 
 
+def follower() -> int:
+    """A torchrun rank other than 0: the request from the Pipes context, no message channel (one
+    writer per run: rank 0 reports the summary every rank computed)."""
+    with PipesDefaultContextLoader().load_context(PipesEnvVarParamsLoader().load_context_params()) as data:
+        extras = data["extras"]
+    try:
+        stage.run(stage.from_payload(extras))
+    except (ValueError, OSError) as e:
+        print(f"{extras.get('stage')} failed on rank {os.environ['RANK']}: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent (torchrun's agent) exits (prctl PR_SET_PDEATHSIG)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the agent died before the request took effect
+        os._exit(1)
+
+
 def main() -> int:
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun rank
+        die_with_parent()
+    if int(os.environ.get("RANK", "0")) > 0:
+        return follower()
     with open_dagster_pipes() as pipes:
         name = pipes.extras.get("stage")
         forward = PipesForward(pipes.log)
