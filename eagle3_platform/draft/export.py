@@ -76,6 +76,9 @@ def validate_tensors(tensors: dict[str, torch.Tensor], config: dict) -> None:
 
 
 def sglang_config(cfg: DraftConfig, dtype: str, provenance: dict | None = None) -> dict:
+    """The config SGLang's LlamaForCausalLMEagle3 reads: the head's own geometry (one Llama layer,
+    SiLU, full rotary), the target's hidden size (fc's input is 3 x target_hidden_size), the captured
+    layers and the draft vocabulary."""
     return {
         "architectures": [ARCH],
         "model_type": "llama",
@@ -86,7 +89,7 @@ def sglang_config(cfg: DraftConfig, dtype: str, provenance: dict | None = None) 
         "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_key_value_heads,
         "head_dim": cfg.head_dim,
-        "hidden_act": cfg.hidden_act,
+        "hidden_act": "silu",  # the head's MLP (model.py), whatever the target's; SGLang accepts only SiLU
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,
         "rope_scaling": cfg.rope_scaling,

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle3_platform.model.attention import MAX_GROUPED_QUERY, grouped_attention
+from eagle3_platform.model.families import checkpoint_names, family_of, text_config
 
 DEFAULT_ROPE_THETA = 10000.0
 DRAFT_WEIGHTS, DRAFT_CONFIG = "draft.safetensors", "draft_config.json"  # a trained draft dir (train.save_draft_dir)
@@ -39,12 +40,15 @@ class DraftConfig:
     vocab_size: int                  # V (target vocab)
     draft_vocab_size: int            # Vd
     aux_layer_ids: tuple[int, ...]   # target layers whose outputs form g (3 of them)
-    hidden_act: str = "silu"
+    hidden_act: str = "silu"         # the head's MLP is SiLU whatever the target's (SGLang's too)
 
     @classmethod
     def from_target(cls, hf_config, draft_vocab_size: int, aux_layer_ids) -> "DraftConfig":
-        """Copy the target's attention/MLP/RoPE geometry (SGLang builds the head from these keys)."""
-        c = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
+        """Copy the target's attention/MLP/RoPE geometry (SGLang builds the head from these keys).
+        hf_config: the target's config (object or dict; a nested one is read through its text config).
+        The head is one Llama layer: SiLU MLP and full rotary, whatever the target's activation and
+        rotary fraction (families.py)."""
+        c = hf_config if isinstance(hf_config, dict) else hf_config.get_text_config().to_dict()
         theta, scaling = _rope_from_hf(c)
         heads = c["num_attention_heads"]
         return cls(
@@ -53,8 +57,7 @@ class DraftConfig:
             head_dim=c.get("head_dim") or c["hidden_size"] // heads,
             rms_norm_eps=float(c["rms_norm_eps"]), rope_theta=theta, rope_scaling=scaling,
             max_position_embeddings=c["max_position_embeddings"], vocab_size=c["vocab_size"],
-            draft_vocab_size=int(draft_vocab_size), aux_layer_ids=tuple(int(i) for i in aux_layer_ids),
-            hidden_act=c.get("hidden_act", "silu"))
+            draft_vocab_size=int(draft_vocab_size), aux_layer_ids=tuple(int(i) for i in aux_layer_ids))
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -82,11 +85,19 @@ class DraftConfig:
 
 
 def _rope_from_hf(c: dict) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) from a transformers 4 (rope_theta/rope_scaling) or 5 (rope_parameters) config."""
+    """(rope_theta, rope_scaling) for the head from a transformers 4 (rope_theta/rope_scaling) or 5
+    (rope_parameters) config. Per-layer-type parameters (Gemma-3) give the full-attention layers'.
+    The head rotates every dimension: a partial rotary fraction (Phi) is not copied, and scaling
+    factors sized for the partial rotary (Phi-4's longrope lists) cannot apply: plain RoPE then."""
     rp = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+    if isinstance(rp.get("full_attention"), dict):
+        rp = dict(rp["full_attention"])
     theta = float(rp.pop("rope_theta", c.get("rope_theta") or DEFAULT_ROPE_THETA))
+    partial = float(rp.pop("partial_rotary_factor", c.get("partial_rotary_factor") or 1.0))
     rope_type = rp.get("rope_type", rp.get("type", "default"))
-    return theta, (None if rope_type == "default" else rp)
+    if rope_type == "default" or (partial != 1.0 and any(isinstance(v, list) for v in rp.values())):
+        return theta, None
+    return theta, rp
 
 
 def _llama_config(cfg: DraftConfig):
@@ -300,17 +311,27 @@ def read_target_tensors(target_dir: str | Path, names: list[str]) -> dict[str, t
 
 
 def target_head_weights(target_dir: str | Path) -> dict[str, torch.Tensor]:
-    """{'embed': [V,H], 'lm_head': [V,H], 'norm': [H]} of the target (lm_head = embed when tied)."""
-    names = ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"]
-    t = read_target_tensors(target_dir, names)
-    if "model.embed_tokens.weight" not in t:
-        raise ValueError(f"target {target_dir} has no model.embed_tokens.weight")
-    emb = t["model.embed_tokens.weight"]
-    return {"embed": emb, "lm_head": t.get("lm_head.weight", emb), "norm": t.get("model.norm.weight")}
+    """{'embed': [V,H], 'lm_head': [V,H], 'norm': [H]} of the target (lm_head = embed when tied), under
+    the names its family's checkpoints use (families.checkpoint_names). 'norm' is the scale the
+    final norm applies (a Gemma norm's 1 + w)."""
+    cfg = json.loads((Path(target_dir) / "config.json").read_text())
+    wanted = {part: checkpoint_names(cfg, part) for part in ("embed_tokens", "lm_head", "norm")}
+    t = read_target_tensors(target_dir, [n for names in wanted.values() for n in names])
+    found = {part: next((t[n] for n in names if n in t), None) for part, names in wanted.items()}
+    if found["embed_tokens"] is None:
+        raise ValueError(f"target {target_dir} has none of {list(wanted['embed_tokens'])}")
+    emb, norm = found["embed_tokens"], found["norm"]
+    if norm is not None:
+        norm = norm + family_of(cfg).norm_offset
+    return {"embed": emb, "lm_head": emb if found["lm_head"] is None else found["lm_head"], "norm": norm}
 
 
 def target_hf_config(target_dir: str | Path) -> dict:
-    return json.loads((Path(target_dir) / "config.json").read_text())
+    """The target's decoder config as a dict, every key filled in (a nested config's text config:
+    config.json keeps only a sub-config's keys that differ from its defaults)."""
+    from transformers import AutoConfig
+
+    return text_config(AutoConfig.from_pretrained(target_dir)).to_dict()
 
 
 def build_draft(target_dir: str | Path, cfg: DraftConfig, init_from_target: bool = True,

@@ -14,6 +14,8 @@ from typing import Any, Sequence
 
 import torch
 
+from eagle3_platform.model.families import decoder
+
 
 @dataclass
 class CaptureOutput:
@@ -24,8 +26,9 @@ class CaptureOutput:
 
 
 def decoder_stack(model: torch.nn.Module) -> torch.nn.Module:
-    """The inner decoder (`LlamaModel`) of a *ForCausalLM; it owns `.layers` and `.norm`."""
-    base = getattr(model, "model", model)
+    """The inner decoder of a *ForCausalLM where its family entry says it is (model/families.py);
+    it owns `.layers` and `.norm`."""
+    base = decoder(model)
     if not hasattr(base, "layers") or not hasattr(base, "norm"):
         raise ValueError(f"{type(model).__name__} has no decoder stack with .layers and .norm")
     return base

@@ -1,4 +1,4 @@
-"""The target's forward for the engine's decode and verify steps, Llama-style decoders on CPU.
+"""The target's forward for the engine's decode and verify steps, Llama-shaped decoders on CPU.
 
 A step of SmolLM2-135M is about half weight reads and half everything else at batch 1, and
 transformers' own forward adds to the second part: mask preparation, output-capture wrappers, keyword
@@ -13,9 +13,10 @@ are looked up once per model (_Layer), not through nn.Module attributes and call
 same numbers, so the same values and greedy output; plain engine steps run ~1.1-1.2x faster.
 
 It runs only what a step hands it: an explicit mask over a cache (or one row's one token, which needs
-none) on a model whose layers look like Llama's and attend with attention.py's kernel, plus any prompt
-chunks that ride along the step (mixed_forward). A prefill with no step to ride along, and any other
-model, goes through transformers.
+none) on a model whose family entry says its layers look like Llama's (model/families.py: no q/k norms, no
+window or chunk on any layer) and attend with attention.py's kernel, plus any prompt chunks that
+ride along the step (mixed_forward). A prefill with no step to ride along, and any other model, goes
+through transformers.
 """
 from __future__ import annotations
 
@@ -24,16 +25,17 @@ import weakref
 import torch
 
 from eagle3_platform.model.attention import GROUPED_DECODE, grouped_decode_attention
+from eagle3_platform.model.families import UnsupportedTarget, decoder, step_loop
 from eagle3_platform.model.packed_linear import FusedProjection, PackedLinear, SharedInput
 
-LLAMA_STYLE = ("llama",)  # pre-norm, rotary, q/k/v/o + gated MLP, no q/k norms, no sliding window
-
-
 def supports(model) -> bool:
-    """True when `model` is a Llama-style *ForCausalLM on attention.py's kernel."""
-    base = getattr(model, "model", None)
-    layers = getattr(base, "layers", None)
-    if getattr(model.config, "model_type", None) not in LLAMA_STYLE or not layers:
+    """True when `model` is a Llama-shaped *ForCausalLM (its family entry says so, and every layer
+    attends fully: families.step_loop) on attention.py's kernel."""
+    try:
+        if not step_loop(model.config):
+            return False
+        layers = decoder(model).layers
+    except (UnsupportedTarget, AttributeError):
         return False
     if getattr(model.config, "_attn_implementation", None) != GROUPED_DECODE:
         return False
@@ -58,7 +60,7 @@ def mixed_forward(model, ids, pos, mask, cache, layer_ids=(), logits_to_keep: in
     once over the step's B*q tokens and the chunks' (together ~0.7x the time of both apart): the
     weights are read once, and a prefill forward's fixed cost goes. Attention stays per part, each over its own cache.
     -> (logits, aux as step_forward, [(last logits [1,1,V], aux [1,c,3H] | None)] per chunk)."""
-    base = model.model
+    base = decoder(model)
     B, q = ids.shape
     parts = [((B, q), pos, mask, cache, row_groups)]  # (shape, positions, mask, cache, row groups)
     for c_ids, c_cache in prompts:
@@ -157,7 +159,7 @@ def _plan(model) -> list[_Layer]:
     before that, and nothing swaps them after (a head's int4/packed copies are other modules)."""
     plan = _PLANS.get(model)
     if plan is None:  # two threads may both build it: the same parts
-        plan = _PLANS[model] = [_Layer(layer) for layer in model.model.layers]
+        plan = _PLANS[model] = [_Layer(layer) for layer in decoder(model).layers]
     return plan
 
 

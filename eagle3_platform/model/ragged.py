@@ -24,6 +24,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from eagle3_platform.model.attention import cache_buffer
+from eagle3_platform.model.families import CHUNKED, SLIDING, AttentionLayout
 from eagle3_platform.model.kv_cache import slot_capacity
 # One more group costs about as much as attending over this many more (row, slot) pairs: splitting a
 # row a few hundred tokens longer than the rest off made a step slower, two ~1000-token rows split off
@@ -57,10 +58,13 @@ def row_groups(lengths: list[int], q: int, overhead: int = GROUP_OVERHEAD) -> li
 class RaggedCache(Cache):
     group_overhead = GROUP_OVERHEAD  # tests set 0: every row of its own length a group
 
-    def __init__(self, dtype: torch.dtype | None = None):
-        """dtype: of the buffers (None: the model's keys'); attention runs in it (attention.py)."""
+    def __init__(self, dtype: torch.dtype | None = None, layout: AttentionLayout | None = None):
+        """dtype: of the buffers (None: the model's keys'); attention runs in it (attention.py).
+        layout: how the model's layers attend (families.attention_layout; None: every layer fully,
+        boolean masks): `mask` gives each kind of layer its own mask."""
         super().__init__(layers=[])
         self.kv_dtype = dtype
+        self.layout = layout
         self.keys: list[torch.Tensor] = []  # per layer [rows_cap, kv, slots_cap, hd]
         self.values: list[torch.Tensor] = []
         self.lengths = torch.zeros(0, dtype=torch.long)  # [B] committed tokens per row, longest first
@@ -84,14 +88,43 @@ class RaggedCache(Cache):
         self.groups = [(a, b, 0, span) for a, b, span in spans]  # each group's slots [0, span)
         return self._span
 
-    def mask(self, ancestors: torch.Tensor) -> torch.Tensor:
+    def mask(self, ancestors: torch.Tensor):
         """ancestors bool [B,q,q] (A[b,i,j]: new token j is token i or on its path) -> bool [B,1,q,S]:
-        every new token sees its row's committed slots and its own path among the new ones."""
+        every new token sees its row's committed slots and its own path among the new ones. With a
+        layout: each kind of layer's (a sliding window's or a chunk's keys only), one mask where every
+        layer attends alike, else {layer type: mask} (transformers' per-type masks); additive
+        (0 / fp32 min) where the layout says the kernel adds the mask."""
         B, q, _ = ancestors.shape
         allowed = torch.arange(self._span)[None, None, :] < self.lengths[:, None, None]  # [B,1,S]
         allowed = allowed.expand(B, q, self._span).clone()  # [B,q,S]
         allowed.scatter_(2, self._slots[:, None, :].expand(B, q, q), ancestors)
+        if self.layout is None:
+            return allowed[:, None]
+        masks = {kind: self._layer_mask(allowed, ancestors, kind) for kind in dict.fromkeys(self.layout.kinds)}
+        return next(iter(masks.values())) if len(masks) == 1 else masks
+
+    def _layer_mask(self, allowed: torch.Tensor, ancestors: torch.Tensor, kind: str) -> torch.Tensor:
+        """allowed bool [B,q,S] -> this kind of layer's mask [B,1,q,S]. Positions: committed slot s
+        holds position s (rows start at slot 0); new token i sits at its row's length + its depth."""
+        lay = self.layout
+        if kind == SLIDING or kind == CHUNKED:
+            qpos = self.lengths[:, None] + ancestors.sum(-1) - 1  # [B,q]: depth = ancestors on the path - 1
+            kpos = torch.arange(self._span)[None].expand(len(qpos), -1).clone()  # [B,S]
+            kpos.scatter_(1, self._slots, qpos)
+            if kind == SLIDING:  # transformers' sliding_window_overlay: k > p - window
+                allowed = allowed & (kpos[:, None, :] > qpos[:, :, None] - lay.window)
+            else:  # chunked_overlay: the query's own chunk
+                allowed = allowed & (kpos[:, None, :] // lay.chunk == qpos[:, :, None] // lay.chunk)
+        if lay.additive:
+            return torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)[:, None]
         return allowed[:, None]
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        """(kv length, kv offset) for the masks transformers builds itself (one row's one token, no
+        mask given): the span begin() opened, from slot 0."""
+        if self._span:
+            return self._span, 0
+        return (int(self.lengths.max()) if self.rows else 0) + query_length, 0
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """key/value_states [B,kv,q,hd] -> this layer's keys/values over the span, [B,kv,S,hd]."""

@@ -22,6 +22,8 @@ import torch
 
 from eagle3_platform.model.compute import (int4_matmul_rows, kv_cache_dtype, narrow_matmul_rows, resolve_dtype,
                                      wide_matmul_rows)
+from eagle3_platform.model.families import (capture_layer_ids, family_of,  # noqa: F401 (re-exported)
+                                            grouped_attention, text_config)
 from eagle3_platform.store.paths import cache_root  # noqa: F401  (re-exported: callers use target.cache_root)
 from eagle3_platform.store.records import sha256_file
 
@@ -35,11 +37,6 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-
-
-def capture_layer_ids(num_layers: int) -> list[int]:
-    """EAGLE-3 low/mid/high capture: outputs of layers [1, L//2-1, L-4] (SGLang's convention)."""
-    return [1, num_layers // 2 - 1, num_layers - 4]
 
 
 @dataclass
@@ -121,7 +118,8 @@ def load_target(path: str | Path, dtype: str = "float32", device: str = "cpu", p
     if device == "cpu":
         from eagle3_platform.model.attention import use_grouped_decode
         from eagle3_platform.model.packed_linear import int4_weight_count, pack_linears
-        use_grouped_decode(model)
+        if grouped_attention(model.config):  # else transformers' own kernel (sinks, soft-capping)
+            use_grouped_decode(model)
         if pack:
             wide, narrow = wide_matmul_rows(setting, device), narrow_matmul_rows(setting, device)
             packed = pack_linears(model, wide, narrow, int4, getattr(torch, dtype))
@@ -147,17 +145,22 @@ def _cast_parameters(model, dtype: torch.dtype) -> None:
 
 
 def _describe(path: Path, model: str, source_hash: str) -> dict:
-    cfg = json.loads((path / "config.json").read_text())
+    """The prepared target's identity; an unregistered family is refused here (families.family_of)."""
+    from transformers import AutoConfig
+
+    outer = AutoConfig.from_pretrained(path)
+    family, cfg = family_of(outer).name, text_config(outer)
     weights = sorted(path.glob("*.safetensors"))
     wh = hashlib.sha256("".join(sha256_file(w) for w in weights).encode()).hexdigest()
     return {
         "target_id": Path(model).name if Path(model).is_dir() else model,
         "source_hash": source_hash,
         "weights_hash": wh,
-        "num_hidden_layers": cfg["num_hidden_layers"],
-        "hidden_size": cfg["hidden_size"],
-        "vocab_size": cfg["vocab_size"],
-        "capture_layer_ids": capture_layer_ids(cfg["num_hidden_layers"]),
+        "family": family,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": cfg.vocab_size,
+        "capture_layer_ids": capture_layer_ids(cfg.num_hidden_layers),
     }
 
 

@@ -23,6 +23,7 @@ import torch
 from eagle3_platform.draft.metrics import acceptance_length
 from eagle3_platform.model.compute import threads
 from eagle3_platform.model.kv_cache import GrowingCache
+from eagle3_platform.model.families import attention_layout
 from eagle3_platform.model.ragged import RaggedCache
 from eagle3_platform.model.sampling import greedy, target_probs
 from eagle3_platform.spec.drafter import propose_all
@@ -86,7 +87,7 @@ class Batch:
 
     def __init__(self, engine):
         self.engine = engine
-        self.cache = RaggedCache(engine.cache_dtype)
+        self.cache = RaggedCache(engine.cache_dtype, attention_layout(engine.model.config))  # per-layer masks
         self.rows: list[Request] = []  # rows[b] owns cache row b (the cache keeps them longest first)
         self.catch_up_s = 0.0  # of the last step: drafter backlogs appended before drafting
         self.resume_catch_up_s = 0.0  # the part for rows that had drafted before: steps decoded plainly

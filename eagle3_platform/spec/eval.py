@@ -1,5 +1,8 @@
 """`eagle3 eval`: acceptance length and decode speed of a draft head on prompt records, per workload,
-optionally checking losslessness against plain greedy decoding of the target.
+optionally checking losslessness against the target's own transformers greedy decoding
+(`generate(do_sample=False)` on the checkpoint as transformers loads it: its own attention kernel and
+forward, none of the engine's), the reference a user trusts. The speedup is against the engine's plain
+decoding, the same code without the head.
 
 Prompts are PromptRecord JSONL (store/records.py). Each conversation is rendered with the target's chat
 template + generation prompt up to and including its FIRST user turn (system turns before it kept):
@@ -70,12 +73,36 @@ def _summarise(rows: list[dict]) -> dict:
     return out
 
 
+def reference_model(target_dir, target):
+    """The target as transformers alone loads it (its default attention, plain linears) in the
+    engine's dtype; a target held only in memory (tests) is its own reference."""
+    from transformers import AutoModelForCausalLM
+
+    if target_dir is None:
+        return target.model
+    dtype = next(target.model.parameters()).dtype
+    return AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
+
+
+def reference_greedy(model, ids: list[int], max_new_tokens: int, eos_ids: set[int]) -> list[int]:
+    """transformers' greedy decoding of ids: the new tokens, up to and including the first eos."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=sorted(eos_ids),
+                             pad_token_id=min(eos_ids) if eos_ids else 0)
+    new = out[0, len(ids):].tolist()
+    end = next((j for j, t in enumerate(new) if t in eos_ids), None)
+    return new if end is None else new[:end + 1]
+
+
 def evaluate(target_dir, export_dir, prompts_path, cfg: SpecConfig = PRESETS["chain"],
              max_new_tokens: int = 64, verify_lossless: bool = False, limit: int | None = None,
              temperature: float = 0.0, seed: int = 0, target=None) -> dict:
     """Decode every prompt with the draft; returns overall + per-workload τ and tok/s (and, with
-    verify_lossless, baseline tok/s, speedup and the number of outputs that differ from plain greedy
-    decoding of the target — must be 0 at temperature 0)."""
+    verify_lossless, baseline tok/s, speedup and the number of outputs that differ from the target's
+    own transformers greedy decoding — must be 0 at temperature 0)."""
     from eagle3_platform.draft.export import load_export
     from eagle3_platform.model.target import load_target
 
@@ -85,14 +112,16 @@ def evaluate(target_dir, export_dir, prompts_path, cfg: SpecConfig = PRESETS["ch
     draft = load_export(export_dir, target) if export_dir else None
     engine = SpecEngine(target, draft, cfg if draft is not None else PRESETS["baseline"])
     baseline = SpecEngine(target, None, PRESETS["baseline"]) if verify_lossless else None
+    reference = reference_model(target_dir, target) if verify_lossless else None
     prompts = load_prompts(prompts_path, target.tokenizer, limit)
     rows = []
     for i, (rec, ids) in enumerate(prompts):
         tokens, stats = _run(engine, ids, max_new_tokens, temperature, seed + i)
         row = {"id": rec.id, "workload": rec.workload, **stats}
         if baseline is not None:
-            ref, bstats = _run(baseline, ids, max_new_tokens, 0.0, seed + i)
-            row.update(lossless=ref == tokens, baseline_wall_s=bstats["wall_s"], baseline_tokens=len(ref),
+            plain, bstats = _run(baseline, ids, max_new_tokens, 0.0, seed + i)
+            ref = reference_greedy(reference, ids, max_new_tokens, engine.eos_ids)
+            row.update(lossless=ref == tokens, baseline_wall_s=bstats["wall_s"], baseline_tokens=len(plain),
                        first_mismatch=next((j for j, (a, b) in enumerate(zip(tokens, ref)) if a != b),
                                            None if len(tokens) == len(ref) else min(len(tokens), len(ref))))
         rows.append(row)
