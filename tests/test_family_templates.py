@@ -246,12 +246,16 @@ GENERATED_THINKING = {
 }
 
 
+def thinking_answer(tok, family, reasoning):
+    """The target thought, then answered USER2: (generated ids, its Turn, thought, content)."""
+    prompt = render_prompt(tok, [{"role": "user", "content": USER2}], reasoning)
+    ids = generate(tok, GENERATED_THINKING[family])
+    return (ids, *generated_turn(tok, prompt, ids, True, reasoning))
+
+
 @pytest.mark.parametrize("family", REASONING_FAMILIES)
 def test_generated_thinking_kept_is_trained_whole(family, toks):
-    tok = toks[family]
-    prompt = render_prompt(tok, [{"role": "user", "content": USER2}], "keep")
-    ids = generate(tok, GENERATED_THINKING[family])
-    turn, thought, content = generated_turn(tok, prompt, ids, True, "keep")
+    ids, turn, thought, content = thinking_answer(toks[family], family, "keep")
     assert turn.answer == ids and turn.mask == [1] * len(ids)  # every generated id, headers included
     assert (thought, content) == (THOUGHTS[1], "The answer is 3.")
 
@@ -276,9 +280,7 @@ def test_generated_qwen3_thinking_is_trained_on_the_last_turn_only(toks):
 @pytest.mark.parametrize("family", REASONING_FAMILIES)
 def test_generated_thinking_dropped_is_cut_and_headers_are_not_trained(family, toks):
     tok = toks[family]
-    prompt = render_prompt(tok, [{"role": "user", "content": USER2}], "drop")
-    ids = generate(tok, GENERATED_THINKING[family])
-    turn, thought, content = generated_turn(tok, prompt, ids, True, "drop")
+    _, turn, thought, content = thinking_answer(tok, family, "drop")
     assert (thought, content) == ("", "The answer is 3.")
     seq = sequence(tok, [turn])
     assert runs(tok, seq.input_ids, seq.loss_mask) == ["The answer is 3." + end_of_turn(tok)]

@@ -12,7 +12,7 @@ that rewrites earlier turns (Qwen3 drops their reasoning, GPT-OSS ends them with
 record is then the last such chain, its earlier turns context only (`Sequence.turns` names the turns
 in the mask), never text the target did not see at that point.
 
-Answer tokens come from the generator itself (the local back end: exact ids, all of them trained) or,
+Answer tokens come from the generator itself (the local back end: its exact ids, all trained) or,
 for text answers (an endpoint, `render`), from the template: the template's own assistant mask where it
 has one (`{% generation %}` + `return_assistant_tokens_mask`), else the render diff of the answer as the
 last turn, masked on the answer's own texts (its reasoning, its content + end-of-turn) only: what the
@@ -22,7 +22,8 @@ cannot make the masked text differ from the stored answer; a space a template wr
 (Mistral) joins the answer's first token, as in what the target generates.
 
 Reasoning (`keep` | `drop`): keep trains the thinking the target emits; drop asks the template not to
-think (`enable_thinking=False`, Qwen3) and trains the answer without its thinking.
+think (`enable_thinking=False`, Qwen3), cuts any thinking still generated (at the template's own
+separator, probed: `reasoning_markers`) and trains the answer without it.
 
 Errors: `TemplateError` (no exact mask for this conversation), `BoundaryError` (a token straddles a turn
 boundary) and any jinja error the template raises (`template_reason` names it) reject the one
