@@ -57,7 +57,7 @@ from eagle3_platform.data.local_gen import common_prefix  # noqa: E402
 from eagle3_platform.draft.metrics import acceptance_length  # noqa: E402
 from eagle3_platform.model.compute import has_native_bf16, threads  # noqa: E402
 from eagle3_platform.model.target import load_target  # noqa: E402
-from eagle3_platform.spec.config import HEAD_WEIGHTS, PRESETS, SpecConfig, get_preset  # noqa: E402
+from eagle3_platform.spec.config import HEAD_CONTEXT, HEAD_WEIGHTS, PRESETS, SpecConfig, get_preset  # noqa: E402
 from eagle3_platform.spec.engine import SpecEngine  # noqa: E402
 from eagle3_platform.spec.eval import first_turn, load_prompts  # noqa: E402
 from eagle3_platform.spec.policy import DraftSizePolicy  # noqa: E402
@@ -367,12 +367,14 @@ def main(argv=None) -> int:
                                              "int4_rows": target.meta.get("int4_rows", 0),
                                              "torch_threads": torch.get_num_threads(),
                                              "target_threads": args.target_threads,
+                                             "head_context": HEAD_CONTEXT,
                                              "loadavg": os.getloadavg()},
               "command": " ".join(sys.argv)}
     int4 = target.meta.get("int4_rows", 0)
     print(f"dtype {target.meta['dtype']}" + (f" (matmuls below {int4} rows on the 4-bit codes)" if int4 else "")
           + f", {torch.get_num_threads()} threads (target: "
-          f"{args.target_threads if args.target_threads is not None else 'same'}), load {os.getloadavg()[0]:.2f}")
+          f"{args.target_threads if args.target_threads is not None else 'same'}), load {os.getloadavg()[0]:.2f}"
+          + (f", the head drafting over the {HEAD_CONTEXT}" if args.draft else ""))
     for m, f in figures.items():
         print(f"{m:18s} tok/s {f['tok_s_median']:7.2f}  x{f['ratio_vs_hf_greedy_median']:.2f} vs hf_greedy"
               f"  x{f['ratio_vs_best_plain_median']:.2f} vs best plain  tau {f.get('tau', float('nan')):.2f}"

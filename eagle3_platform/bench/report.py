@@ -186,6 +186,23 @@ def header_facts(results: dict) -> dict[str, str]:
             "date": str(env.get("date") or "unknown"), "commit": str(env.get("commit") or "unknown")}
 
 
+def head_context(results: dict) -> str | None:
+    """What the EAGLE-3 server's head attends when it drafts (its /server_info settings; SGLang's
+    worker: the whole prefix), None where no head was served or the server does not say."""
+    info = (results.get("servers") or {}).get("eagle3") or {}
+    if not info.get("draft", True):
+        return None
+    if ctx := (info.get("spec_config") or {}).get("head_context"):
+        return str(ctx)
+    return "whole prefix" if info.get("speculative_algorithm") else None
+
+
+def head_context_line(ctx: str) -> str:
+    same = ctx == "whole prefix"  # what SGLang's EAGLE-3 worker drafts over
+    return f"Head context: {ctx}" + (" (as SGLang's EAGLE-3 worker: τ here is what this head gives in SGLang)."
+                                     if same else " (SGLang's head attends the whole prefix: its τ may differ).")
+
+
 def head_identity(info: dict) -> str:
     """Which head was served: the sha256 of its weights (the embedded server's), else the draft path
     SGLang names, then how it ran (head weights, dtype)."""
@@ -231,6 +248,7 @@ def markdown(results: dict, plots: list[str]) -> str:
     facts = header_facts(results)
     lines = ["# EAGLE-3 benchmark report", "",
              " · ".join(f"**{k}**: {v}" for k, v in facts.items()), "",
+             *([head_context_line(ctx), ""] if (ctx := head_context(results)) else []),
              # the prompts file by name: the path is the run's scratch dir, gone once it is published
              f"Prompts: `{Path(cfg['prompts']).name}` ({cfg['n_prompts']} records; workloads: "
              f"{', '.join(cfg['workloads'])}); max_tokens {cfg['max_tokens']}; "
@@ -307,6 +325,7 @@ def html_report(results: dict, out_dir: Path, plots: list[str]) -> str:
     per_w = [r for r in rows(results, None) if r["workload"] != ALL]
     cfg = html.escape(json.dumps(results["config"], indent=1))
     facts = " · ".join(f"<b>{html.escape(k)}</b>: {html.escape(v)}" for k, v in header_facts(results).items())
+    context = f"<p>{html.escape(head_context_line(ctx))}</p>" if (ctx := head_context(results)) else ""
     extra = "".join(f"<h2>{title}</h2>{_md_to_html_table(md)}" for title, md in (
         ("Speedup per concurrency", _md_speedups(results)),
         ("τ per workload and concurrency (EAGLE-3)", _md_tau(results))) if md)
@@ -315,7 +334,7 @@ def html_report(results: dict, out_dir: Path, plots: list[str]) -> str:
             "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}"
             "figure{display:inline-block;margin:1em}</style></head><body>"
             "<h1>EAGLE-3 benchmark report</h1>"
-            f"<p>{facts}</p>"
+            f"<p>{facts}</p>{context}"
             f"<h2>Headline</h2><ul>{head}</ul>{extra}<h2>All workloads</h2>{tab(table(rows(results)))}"
             + (f"<h2>Per workload</h2>{tab(table(per_w))}" if per_w else "")
             + f"<h2>Plots</h2>{imgs}<h2>Config</h2><pre>{cfg}</pre></body></html>")

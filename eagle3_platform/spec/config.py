@@ -10,6 +10,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 HEAD_WEIGHTS = ("auto", "int8", "int4", "packed", "native")
+# What the head attends when it drafts: every earlier token, as SGLang's EAGLE-3 worker does, so the τ
+# the embedded engine measures is the τ the same head gives in SGLang (docs/ARCHITECTURE.md §10).
+# Reported with the settings (to_dict: /server_info, bench_decode, the benchmark report's header).
+HEAD_CONTEXT = "whole prefix"
 
 
 @dataclass(frozen=True)
@@ -68,7 +72,7 @@ class SpecConfig:
         return self.num_draft_tokens > 1
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "head_context": HEAD_CONTEXT}
 
 
 PRESETS: dict[str, SpecConfig] = {

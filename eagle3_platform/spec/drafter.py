@@ -2,9 +2,9 @@
 
 Draft entries mirror the target's committed tokens: entry t reads (g_t, emb(x_{t+1})) at RoPE position
 t and its output predicts x_{t+2} (the training alignment). Invariant between verify steps: the draft
-holds entries for the n tokens in the target's KV cache, but for the `skipped` older ones a windowed
-catch-up left out (their positions stay t), and `h_last` (entry n-1's output) predicts the token after
-the pending root x_n.
+holds entries for the n tokens in the target's KV cache (appended, or queued until the next draft)
+and `h_last` (entry n-1's output) predicts the token after the pending root x_n. The head attends the
+whole prefix, as SGLang's EAGLE-3 worker does, so its drafts and τ here are the ones SGLang gets.
 
 Drafting (num_steps = d, eagle_topk = k):
   step 1: top-k of the draft's distribution after the root → k depth-1 nodes (the frontier);
@@ -87,15 +87,6 @@ class DraftKV:
         self.keys, self.values = grown.keys, grown.values
 
 
-# Entries of a backlog the head appends when it drafts again (None: all); older ones are skipped.
-# PROMPT_WINDOW: a row's first draft (its prompt); RESUME_WINDOW: a return after steps decoded without
-# a draft (a server's re-measure catches up every row's at once). The head reads the target's features,
-# which carry the context, and barely its own older entries: the windows keep acceptance about the same
-# and cut the head's catch-up by more than half. SGLang's head attends the whole prefix (None, None).
-PROMPT_WINDOW: int | None = 32
-RESUME_WINDOW: int | None = 8
-
-
 class EagleDrafter:
     """Entries are appended lazily: `commit` only queues (aux, next tokens), and the queue runs as one
     draft forward when the next draft is asked for. A server step that verifies no draft (draft size
@@ -105,18 +96,12 @@ class EagleDrafter:
     def __init__(self, draft, cfg: SpecConfig, kv_dtype: torch.dtype | None = None):
         self.draft, self.cfg, self.kv_dtype = draft, cfg, kv_dtype
         self.kv: DraftKV | None = None  # committed draft KV, n entries
-        self.skipped = 0  # target tokens whose entries were never appended (catch_up's window)
         self.h_last = None  # [1,1,H]
         self._queued: list[tuple[torch.Tensor, torch.Tensor]] = []  # (aux [1,T,3H], next tokens [T])
 
     @property
     def n(self) -> int:
         return 0 if self.kv is None else self.kv.n
-
-    @property
-    def pos(self) -> int:
-        """RoPE position of the next entry: the target's tokens so far, appended or skipped."""
-        return self.n + self.skipped
 
     @property
     def k(self) -> torch.Tensor | None:  # [1,n_kv,n,hd]
@@ -127,7 +112,7 @@ class EagleDrafter:
         return None if self.kv is None else self.kv.v
 
     def prefill(self, aux, next_tokens):
-        self.kv, self.skipped = None, 0
+        self.kv = None
         self._queued = [(aux, next_tokens)]
 
     def commit(self, aux, next_tokens):
@@ -141,24 +126,12 @@ class EagleDrafter:
         backlog = len(self._queued) - keep
         if backlog > 0:
             self._queued, last = self._queued[:backlog], self._queued[backlog:]
-            window = PROMPT_WINDOW if self.kv is None else RESUME_WINDOW
-            if window is not None:
-                self._skip_oldest(window)
             self._append_queued()
             self._queued = last
 
     def _queue_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The queued entries as one (aux [1,T,3H], next tokens [T])."""
         return torch.cat([a for a, _ in self._queued], dim=1), torch.cat([t for _, t in self._queued])
-
-    def _skip_oldest(self, keep: int) -> None:
-        """Leave all but the newest `keep` queued entries out of the draft KV (a gap the head
-        attends around; the positions after it stay the target's)."""
-        aux, next_tokens = self._queue_tensors()  # [1,T,3H], [T]
-        drop = next_tokens.numel() - keep
-        if drop > 0:
-            self._queued = [(aux[:, drop:], next_tokens[drop:])]
-            self.skipped += drop
 
     @torch.no_grad()
     def _append_queued(self):
@@ -168,7 +141,7 @@ class EagleDrafter:
         aux, next_tokens = self._queue_tensors()  # [1,T,3H], [T]
         self._queued = []
         d, t = self.draft, aux.shape[1]
-        pos = torch.arange(self.pos, self.pos + t)[None]  # [1,T]
+        pos = torch.arange(self.n, self.n + t)[None]  # [1,T]
         if self.kv is None:  # room for the prompt and the next few hundred entries
             c = d.cfg
             self.kv = DraftKV.empty(1, c.num_key_value_heads, c.head_dim, t + 256,
@@ -208,7 +181,7 @@ class EagleDrafter:
         committed prefix and the tree's earlier entries."""
         d, n = self.draft, self.n
         ids = d.to_target_ids(pool.draft_ids[frontier])[None]  # [1,F] target ids
-        pos = torch.full((1, len(frontier)), self.pos - 1 + step)  # a depth-s node sits at pos-1+s
+        pos = torch.full((1, len(frontier)), n - 1 + step)  # a depth-s node sits at pos-1+s
         allowed = torch.zeros(len(frontier), n + pool.n_entries + len(frontier), dtype=torch.bool)
         allowed[:, :n] = True  # the committed prefix
         for row, node in enumerate(frontier):
@@ -260,7 +233,7 @@ def propose_chains(drafters: list[EagleDrafter], roots: list[int], budget: int) 
     _append_queued_many(drafters)
     d, cfg = drafters[0].draft, drafters[0].cfg
     steps = min(cfg.num_steps, budget)
-    pos = torch.tensor([x.pos for x in drafters])  # [B] the next entry's position
+    pos = torch.tensor([x.n for x in drafters])  # [B] the next entry's position
     past, allowed = _padded_past(drafters, room=steps)  # DraftKV over [B,kv,P,hd], bool [B,P] | None
     try:
         picks = _draft_chains(d, cfg, past, allowed, pos, torch.cat([x.h_last for x in drafters]), steps)
@@ -318,7 +291,7 @@ def _append_queued_many(drafters: list[EagleDrafter]) -> None:
     aux = [a[0] for a, _ in queued]  # [T_b,3H]
     toks = [t for _, t in queued]  # [T_b]
     T = torch.tensor([len(t) for t in toks])
-    start = torch.tensor([x.pos for x in short])
+    start = torch.tensor([x.n for x in short])
     aux = torch.nn.utils.rnn.pad_sequence(aux, batch_first=True)  # [B,Tm,3H]
     toks = torch.nn.utils.rnn.pad_sequence(toks, batch_first=True)  # [B,Tm]
     Tm = toks.shape[1]
