@@ -402,3 +402,19 @@ def test_the_reasoning_setting_reaches_regeneration_and_is_checked():
     assert regen_config(RegenerateRequest(**req, reasoning="drop")).reasoning == "drop"
     with pytest.raises(ValueError, match="reasoning must be one of"):
         replace(PRESETS["tiny"], reasoning="maybe")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_filter_measures_multi_turn_prompts_under_templates_that_need_alternating_roles(family, toks):
+    """Gemma-3 and Mistral refuse consecutive user turns: the filter's length check renders the prompts
+    with a stand-in answer between them, so a multi-turn prompt is measured, not a crash."""
+    from eagle3_platform.data.filter import validate
+    from eagle3_platform.store.records import BadRecord
+
+    row = {"id": "m", "workload": "multi_turn", "source": "test", "license": "MIT",
+           "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER1},
+                        {"role": "user", "content": USER2}]}
+    rec, _ = validate(row, 4096, toks[family], None)
+    assert [m.content for m in rec.messages] == [SYSTEM, USER1, USER2]
+    with pytest.raises(BadRecord, match="bad:too_long"):
+        validate(row, 8, toks[family], None)

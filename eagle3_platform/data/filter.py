@@ -123,9 +123,20 @@ def validate(row: dict, max_tokens: int | None, tokenizer,
 
 
 def _prompt_tokens(tokenizer, messages: list[Message]) -> int:
-    from eagle3_platform.data.chat import render_prompt  # the one template path (H3); lazy: needs transformers
+    """Tokens of the prompts as the target's template renders them, each user turn but the last followed
+    by a one-character stand-in for the answer the target will write (templates that require roles to
+    alternate, Gemma-3's and Mistral's, refuse consecutive user turns). A template that refuses the
+    conversation anyway rejects it with the template's reason."""
+    from eagle3_platform.data.chat import render_prompt, template_errors, template_reason  # lazy: transformers
 
-    return len(render_prompt(tokenizer, [m.model_dump() for m in messages]))
+    turns = [m.model_dump() for m in messages]
+    users = [i for i, m in enumerate(turns) if m["role"] == "user"]
+    for i in reversed(users[:-1]):
+        turns.insert(i + 1, {"role": "assistant", "content": "."})
+    try:
+        return len(render_prompt(tokenizer, turns))
+    except template_errors() as e:
+        raise BadRecord(template_reason(e)) from None
 
 
 def content_key(messages: list[Message]) -> str:
