@@ -21,7 +21,6 @@ def cpu_with(monkeypatch):
 def test_auto_is_bf16_on_a_cpu_with_native_bf16(cpu_with, flag):
     cpu_with(flag)
     assert compute.resolve_dtype("auto") == "bfloat16"
-    assert compute.torch_dtype("auto") is torch.bfloat16
 
 
 def test_auto_is_fp32_on_a_cpu_without_bf16(cpu_with):

@@ -155,10 +155,6 @@ def int4_matmul_rows(name: str, device: str = "cpu") -> int:
     return int4_probe_rows(resolve_dtype(name, device))
 
 
-def torch_dtype(name: str, device: str = "cpu", work: str = "decode") -> torch.dtype:
-    return getattr(torch, resolve_dtype(name, device, work))
-
-
 def autocast(dtype: str, device: str = "cpu"):
     """bf16 autocast when `dtype` resolves to bfloat16 for dense work (training: parameters stay fp32,
     mixed precision), else a no-op context."""
@@ -184,8 +180,7 @@ def rowmajor_matmul_rows(dtype: str) -> int:
 def int4_probe_rows(dtype: str = "float32") -> int:
     """Rows below which torch's int4 kernel beats the faster `dtype` kernel (row-major or packed) on
     this CPU (0 = never): read from the machine's probe file, or measured once (~1 s) and written."""
-    key = "int4_rows" if dtype == "float32" else f"int4_rows_{dtype}"  # fp32's name predates the others
-    return int(_probed(key, lambda: _measure_int4_rows(getattr(torch, dtype))))
+    return int(_probed(f"int4_rows_{dtype}", lambda: _measure_int4_rows(getattr(torch, dtype))))
 
 
 def _probed(name: str, measure):
