@@ -389,7 +389,7 @@ def test_batched_sampling_keeps_the_target_distribution():
     """T > 0 in a batch: the joint law of the first 3 tokens of every request (random-draft tree,
     V=4) is the target's exact law, with requests of two prompts sharing batches."""
     vocab, length, n, temperature = 4, 3, 600, 0.7
-    target = varied_target(None, VariedTargetConfig(num_hidden_layers=2, vocab_size=vocab, seed=1,
+    target = varied_target(None, VariedTargetConfig(num_hidden_layers=3, vocab_size=vocab, seed=1,
                                                     initializer_range=0.08))
     engine = SpecEngine(target, random_draft(target, vocab, seed=2), SpecConfig(3, 2, 6))
     prompt, other = [0, 3, 1, 2, 1], [2, 2, 0, 1, 3, 0, 1]

@@ -316,7 +316,7 @@ def test_sampling_with_the_lookup_branch_keeps_the_target_distribution():
     from tests.test_spec_sampling import P_MIN, chi_square_pvalue, exact_sequence_probs
 
     vocab, length, n, temperature = 4, 4, 800, 0.7
-    target = varied_target(None, VariedTargetConfig(num_hidden_layers=2, vocab_size=vocab, seed=1,
+    target = varied_target(None, VariedTargetConfig(num_hidden_layers=3, vocab_size=vocab, seed=1,
                                                     initializer_range=0.08))
     cfg = SpecConfig(3, 2, 6, lookup_tokens=3, lookup_ngram=2)
     engine = SpecEngine(target, random_draft(target, vocab, seed=2), cfg)

@@ -87,7 +87,7 @@ def test_speculative_sampling_matches_target_sampling():
     at T=0.7 (so temperature scaling is exercised on both sides). ~20 ms per sample."""
     vocab, length, n, temperature = 4, 3, 1000, 0.7
     # init 0.08: flat enough that random draft tokens are often accepted (the tree path is exercised)
-    target = varied_target(None, VariedTargetConfig(num_hidden_layers=2, vocab_size=vocab, seed=1,
+    target = varied_target(None, VariedTargetConfig(num_hidden_layers=3, vocab_size=vocab, seed=1,
                                                     initializer_range=0.08))
     engine = SpecEngine(target, random_draft(target, vocab, seed=2), SpecConfig(3, 2, 6))
     prompt = [0, 3, 1, 2, 1]
