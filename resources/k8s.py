@@ -27,7 +27,8 @@ class StagePod(Config):
     cpu: str | None = None                              # e.g. "8"; requested = limit
     memory: str | None = None                           # e.g. "64Gi"
     node_selector: dict[str, str] = {}                  # e.g. {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}
-    tolerations: list[dict[str, str]] = []              # e.g. [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    # e.g. [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    tolerations: list[dict[str, str]] = []
 
 
 class K8sConfig(Config):

@@ -3,9 +3,10 @@
 Flag names follow sgl-project/sglang `python/sglang/srt/server_args.py` (`model_path`,
 `speculative_algorithm`, `speculative_draft_model_path`, `speculative_num_steps`,
 `speculative_eagle_topk`, `speculative_num_draft_tokens`, `mem_fraction_static`, `tp_size`,
-`context_length`, `dtype`, `host`, `port`; dataclass field → `--field-name`). The acceptance length is on `/server_info` (older releases:
-`/get_server_info`) as `internal_states[i].avg_spec_accept_length` (per DP rank) or, in older
-releases, top-level `avg_spec_accept_length`: a cumulative average since launch.
+`context_length`, `dtype`, `host`, `port`; dataclass field → `--field-name`). The acceptance length
+is on `/server_info` (older releases: `/get_server_info`) as
+`internal_states[i].avg_spec_accept_length` (per DP rank) or, in older releases, top-level
+`avg_spec_accept_length`: a cumulative average since launch.
 SGLang's overlap scheduler for speculative decoding ("spec v2", env SGLANG_ENABLE_SPEC_V2) requires
 `--speculative-eagle-topk 1` (chain drafting).
 SGLang runs from an environment of its own (scripts/sglang_env.sh: it pins torch/transformers other
@@ -52,7 +53,7 @@ class SGLangConfig:
     tp_size: int = 1                       # tensor-parallel GPUs of one server
     context_length: int | None = None      # None: the model config's
     dtype: str | None = None               # None: SGLang's "auto"
-    spec_v2: bool | None = None            # overlap scheduler for spec decoding (True needs topk 1); None: SGLang's default
+    spec_v2: bool | None = None            # overlap scheduler for spec decoding (True: topk 1); None: SGLang's
     extra_args: tuple[str, ...] = ()
 
     def __post_init__(self):
@@ -117,8 +118,8 @@ class SGLangConfig:
                     "--speculative-eagle-topk", str(self.eagle_topk),
                     "--speculative-num-draft-tokens", str(self.num_draft_tokens)]
         cmd += ["--host", self.host, "--port", str(self.port)]
-        for flag, value in (("--mem-fraction-static", self.mem_fraction_static), ("--context-length", self.context_length),
-                            ("--dtype", self.dtype)):
+        for flag, value in (("--mem-fraction-static", self.mem_fraction_static),
+                            ("--context-length", self.context_length), ("--dtype", self.dtype)):
             cmd += [flag, str(value)] if value is not None else []
         cmd += ["--tp-size", str(self.tp_size)] if self.tp_size > 1 else []
         return cmd + list(self.extra_args)
