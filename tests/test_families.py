@@ -54,7 +54,7 @@ def _cfg(family):
 
 @pytest.mark.parametrize("family,kinds", [
     ("llama", {FULL}), ("qwen2", {FULL}), ("qwen3", {FULL}), ("qwen3_moe", {FULL}), ("phi3", {FULL}),
-    ("mistral", {SLIDING}), ("gemma3_text", {SLIDING, FULL}), ("llama4", {CHUNKED, FULL}),
+    ("mistral", {SLIDING}), ("gemma3_text", {SLIDING, FULL}), ("gemma3", {SLIDING, FULL}), ("llama4", {CHUNKED, FULL}),
     ("gpt_oss", {SLIDING, FULL})])
 def test_attention_layouts(family, kinds):
     cfg = _cfg(family)
