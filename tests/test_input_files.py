@@ -99,6 +99,17 @@ def test_regeneration_reads_through_the_same_bounded_reader(tmp_path, monkeypatc
     assert [(r.reason, r.line) for r in p.rejected] == [("bad:line_too_long", 2)]
 
 
+def test_a_user_prompt_file_is_read_through_the_bounded_reader(tmp_path, monkeypatch):
+    from eagle3_platform.data.sources.extra import iter_extra_file
+
+    monkeypatch.setattr(R.read_lines, "__defaults__", (1000,))
+    inp = tmp_path / "mine.jsonl"
+    line = lambda text: json.dumps({"messages": [{"role": "user", "content": text}]})  # noqa: E731
+    inp.write_bytes(R.BOM + (line("Hi.") + "\n" + line("x" * 5000) + "\n" + line("Bye.") + "\n").encode())
+    items = list(iter_extra_file("chat", inp))
+    assert [i.messages for i in items] == [(("user", "Hi."),), (), (("user", "Bye."),)]  # the long one: empty, rejected later
+
+
 # ---- byte-deterministic artifacts ------------------------------------------------------------------
 def _same_bytes(write, paths) -> None:
     for p in paths:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Iterator
 
 from eagle3_platform.data.sources.pkg import Item
-from eagle3_platform.store.records import BadRecord, parse_line
+from eagle3_platform.store.records import BadRecord, parse_line, read_lines
 
 EXTRA_ENV = "EAGLE3_EXTRA_SOURCES"
 EXTRA_LICENSE = "user-supplied"
@@ -64,19 +64,18 @@ def parse_messages(row: object) -> tuple | str:
 
 def iter_extra_file(workload: str, path: Path) -> Iterator[Item]:
     source = extra_source(workload, path)
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = parse_line(line)
-            except BadRecord as e:  # broken JSON, huge ints, deep nesting, lone surrogates
-                row = e.reason
-            parsed = parse_messages(row) if isinstance(row, dict) else row.replace("bad:", "broken_")
-            split = row.get("split") if isinstance(row, dict) else None
-            if isinstance(parsed, str):
-                print(f"[sources] {source}:{n}: unreadable record ({parsed}); kept empty for the "
-                      f"filter to reject", file=sys.stderr)
-                parsed = ()
-            key = str(n)
-            yield Item(source, key, key, parsed, split if split in SPLITS else None)
+    for n, line in enumerate(read_lines(path), start=1):  # bounded: a huge line is never held whole
+        if not line.strip():
+            continue
+        try:
+            row = parse_line(line)
+        except BadRecord as e:  # broken JSON or encoding, a line too long, huge ints, deep nesting, lone surrogates
+            row = e.reason
+        parsed = parse_messages(row) if isinstance(row, dict) else row.replace("bad:", "broken_")
+        split = row.get("split") if isinstance(row, dict) else None
+        if isinstance(parsed, str):
+            print(f"[sources] {source}:{n}: unreadable record ({parsed}); kept empty for the "
+                  f"filter to reject", file=sys.stderr)
+            parsed = ()
+        key = str(n)
+        yield Item(source, key, key, parsed, split if split in SPLITS else None)
