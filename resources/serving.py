@@ -90,7 +90,8 @@ class ServingResource(ConfigurableResource):
             raise FileNotFoundError(f"no SGLang environment at {python}: build it with bash scripts/sglang_env.sh "
                                     "or set the serving resource's sglang_python (EAGLE3_SGLANG_PYTHON)")
         reaped = registry.reap() if registry is not None else []
-        server = SGLangServer(cfg, log_path=log_path, python=python, api_key=self.api_key).start(self.startup_timeout_s)
+        server = SGLangServer(cfg, log_path=log_path, python=python, api_key=self.api_key,
+                              persistent=persistent).start(self.startup_timeout_s)
         if registry is not None:
             registry.record(server.pid, url=server.url, role=role, persistent=persistent, log=log_path)
         server.reaped = reaped

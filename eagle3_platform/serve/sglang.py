@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from eagle3_platform.serve.launch import log_tail, stop_process, wait_healthy
+from eagle3_platform.serve.launch import die_with_parent, log_tail, stop_process, wait_healthy
 
 LAUNCH_MODULE = "sglang.launch_server"
 ALGORITHM = "EAGLE3"
@@ -157,6 +157,7 @@ class SGLangServer:
     log_path: Path | None = None
     python: str | None = None
     api_key: str | None = None
+    persistent: bool = False  # outlives its starter; a transient server dies with it (no orphan)
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
@@ -186,8 +187,8 @@ class SGLangServer:
         cmd = self.command()
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT,
-                                         env={**os.environ, **self.cfg.env()},
-                                         start_new_session=True)
+                                         env={**os.environ, **self.cfg.env()}, start_new_session=True,
+                                         preexec_fn=None if self.persistent else die_with_parent())
         try:
             self.wait_healthy(timeout)
         except BaseException:
