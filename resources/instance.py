@@ -19,9 +19,23 @@ def ensure_dagster_home(path: str | Path | None = None) -> Path:
     home.mkdir(parents=True, exist_ok=True)
     if not (home / "dagster.yaml").exists():
         shutil.copyfile(TEMPLATE, home / "dagster.yaml")
+    else:
+        _add_missing_settings(home / "dagster.yaml")
     os.environ["DAGSTER_HOME"] = str(home)
     os.environ.setdefault("DAGSTER_DISABLE_TELEMETRY", "1")
     return home
+
+
+def _add_missing_settings(path: Path) -> None:
+    """A home made by an older template gains the template's top-level settings it lacks (progress
+    logging, run monitoring); what the file sets already is never changed."""
+    import yaml
+
+    current = yaml.safe_load(path.read_text()) or {}
+    missing = {k: v for k, v in (yaml.safe_load(TEMPLATE.read_text()) or {}).items() if k not in current}
+    if isinstance(current, dict) and missing:
+        with open(path, "a") as f:
+            f.write("\n" + yaml.safe_dump(missing, sort_keys=True))
 
 
 def project_instance(path: str | Path | None = None):

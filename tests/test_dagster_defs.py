@@ -175,3 +175,19 @@ def test_serving_resource_sglang_settings():
 
     if not torch.cuda.is_available():
         assert ServingResource().resolved_mode() == "embedded"
+
+
+def test_an_older_dagster_home_gains_the_templates_missing_settings(tmp_path, monkeypatch):
+    import yaml
+
+    from resources.instance import ensure_dagster_home
+
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path))  # ensure_dagster_home exports it; monkeypatch restores
+    (tmp_path / "dagster.yaml").write_text("telemetry:\n  enabled: false\nrun_queue:\n  max_concurrent_runs: 3\n")
+    ensure_dagster_home(tmp_path)
+    ensure_dagster_home(tmp_path)  # idempotent: nothing appended twice
+    text = (tmp_path / "dagster.yaml").read_text()
+    cfg = yaml.safe_load(text)
+    assert cfg["run_queue"]["max_concurrent_runs"] == 3  # the user's own setting is kept
+    assert cfg["python_logs"]["managed_python_loggers"] == ["eagle3_platform.progress"]
+    assert cfg["run_monitoring"]["enabled"] is True and text.count("python_logs") == 1
