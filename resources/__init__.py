@@ -11,7 +11,8 @@ keeps serving after the run: `eagle3 run --keep-serving`; `eagle3 stop` stops it
 Production (docs/PRODUCTION.md): EAGLE3_TRAIN_PROCS (torchrun ranks of the training step),
 EAGLE3_K8S_CONFIG (a YAML of the stage pods' settings, resources/k8s.py), EAGLE3_SGLANG_PYTHON (the
 SGLang environment's interpreter), EAGLE3_SGLANG_TP (SGLang's tensor-parallel size),
-EAGLE3_REGEN_ENDPOINT (regenerate through this OpenAI-compatible server of the target).
+EAGLE3_REGEN_ENDPOINT (regenerate through this OpenAI-compatible server of the target; a comma-separated
+list spreads the conversations over several).
 """
 from __future__ import annotations
 

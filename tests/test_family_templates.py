@@ -313,9 +313,13 @@ class _Replies(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(out)
 
-    def do_GET(self):  # noqa: N802
-        self.send_response(404)
+    def do_GET(self):  # noqa: N802 - /v1/models: the copied tiny target's id
+        out = json.dumps({"object": "list", "data": [{"id": "tiny-random", "object": "model"}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(out)))
         self.end_headers()
+        self.wfile.write(out)
 
     def log_message(self, *args):
         pass

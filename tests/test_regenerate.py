@@ -367,7 +367,7 @@ class FakeOpenAI:
                 self.wfile.write(data)
 
             def do_GET(self):
-                self._send(200, {"object": "list", "data": [{"id": "served-tiny", "object": "model"}]})
+                self._send(200, {"object": "list", "data": [{"id": "tiny-random", "object": "model"}]})
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -407,7 +407,7 @@ def test_endpoint_multi_turn_concurrency_and_retries(tiny_target_dir, tok, tmp_p
     assert len(fake_server.requests) == n_turns + 2  # two 503s were retried
     assert 1 < fake_server.max_inflight <= FAST_RETRY.concurrency  # concurrent, and bounded
     req = fake_server.requests[-1]
-    assert req["model"] == "served-tiny" and req["auth"] == "Bearer sk-test" and req["temperature"] == 0.0
+    assert req["model"] == "tiny-random" and req["auth"] == "Bearer sk-test" and req["temperature"] == 0.0
     # multi-turn: turn k is asked with the endpoint's own earlier answers in the history
     for r in rows:
         assistants = [m["content"] for m in r["messages"] if m["role"] == "assistant"]

@@ -46,8 +46,12 @@ def add_commands(sub) -> None:
     p.add_argument("--max-length", type=int, default=None, help="prompt + response token budget")
     p.add_argument("--batch-size", type=int, default=None,
                    help="local: conversations decoded together (rows of the running batch)")
-    p.add_argument("--endpoint", default=None, help="OpenAI-compatible base URL (SGLang, vLLM, eagle3 serve)")
-    p.add_argument("--concurrency", type=int, default=None, help="endpoint: requests in flight")
+    p.add_argument("--endpoint", action="append", default=None,
+                   help="OpenAI-compatible base URL (SGLang, vLLM, eagle3 serve); repeat (or comma-separate) "
+                        "to spread the conversations over several servers of the same weights")
+    p.add_argument("--served-model", default=None,
+                   help="endpoint: the model id /v1/models must list (default: the prepared target's id)")
+    p.add_argument("--concurrency", type=int, default=None, help="endpoint: requests in flight, per endpoint")
     p.add_argument("--api-key", default=os.environ.get("EAGLE3_API_KEY"),
                    help="endpoint bearer token (default: $EAGLE3_API_KEY)")
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy; > 0 samples")
@@ -84,5 +88,5 @@ def cmd_regenerate(a) -> dict:
         max_new_tokens=a.max_new_tokens, max_length=a.max_length, batch_size=a.batch_size,
         concurrency=a.concurrency, temperature=a.temperature, top_p=a.top_p, seed=a.seed,
         time_budget_s=None if a.time_budget_min is None else a.time_budget_min * 60, reasoning=a.reasoning,
-        endpoint=a.endpoint, api_key=a.api_key, scan_responses=not a.no_scan_responses, restart=a.restart,
+        endpoint=a.endpoint, served_model=a.served_model, api_key=a.api_key, scan_responses=not a.no_scan_responses, restart=a.restart,
         dtype=a.dtype, torch_threads=a.threads))

@@ -44,7 +44,6 @@ import sys
 import threading
 import time
 from collections import Counter, deque
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -52,7 +51,7 @@ from typing import Callable
 from eagle3_platform.data.chat import (REASONING, Turn, encode, eos_token_ids, generated_turn, render_prompt,
                                        sequence, split_answer, template_errors, template_hash,
                                        template_reason, text_turn, trailer_length)
-from eagle3_platform.data.endpoint import ChatClient, EndpointRequestError, served_model
+from eagle3_platform.data.endpoint import ChatClient, EndpointRequestError, check_served, split_endpoints, spread
 from eagle3_platform.progress import report as report_progress
 from eagle3_platform.store.records import (BadRecord, ConversationRecord, JsonlAppender, PromptRecord, Rejection,
                                      atomic_write, drop_jsonl_rows, ignored_summary, line_rejection, parse_line,
@@ -72,7 +71,7 @@ class RegenConfig:
     top_p: float
     seed: int  # sampling: per-record RNG = hash(seed, record id, turn)
     max_length: int  # prompt + response token budget of a whole rendered conversation
-    concurrency: int  # endpoint: conversations in flight
+    concurrency: int  # endpoint: conversations in flight, per endpoint
     # local: KV entries (rows x (longest prompt + max_new_tokens)) one batch may hold; capped by RAM.
     # It also bounds the prefill, whose attention temporaries grow with rows x prompt^2: 64 rows of
     # 900-token multi-turn histories in one forward stalled for minutes on 2 cores. More rows do not
@@ -472,9 +471,10 @@ class Published:
     spent_s: float = 0.0
 
 
-def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "demo", endpoint: str | None = None,
-                    rejected_path=None, scanner=None, api_key: str | None = None, restart: bool = False,
-                    continue_from: Published | None = None, replace_stale: bool = False) -> dict:
+def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "demo",
+                    endpoint: str | list[str] | None = None, rejected_path=None, scanner=None,
+                    api_key: str | None = None, restart: bool = False, continue_from: Published | None = None,
+                    replace_stale: bool = False, served_model: str | None = None) -> dict:
     """Regenerate every kept prompt record in `in_path` into ConversationRecords in `out_path`.
 
     scanner: None = the default PiiScanner, False = do not scan responses, or any object with
@@ -483,6 +483,8 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
     replace_stale: discard what they hold only where it was made with another target or settings
     (named in the summary's `discarded_stale`), instead of refusing it: for a private staging dir (the
     assets'), whose old output cannot be resumed after an upgrade, a new target or another dtype.
+    endpoint: one URL, a list, or a comma-separated list: the conversations spread over them
+    (cfg.concurrency each); each must list `served_model` (default: the target id) on /v1/models.
     continue_from: where out_path and rejected_path do not exist yet, start from this published output
     (copied, never changed) if it was made under this run's resume key; else start fresh.
     Returns the summary: read, written, rejected, by_reason, resumed, new_tokens, tok_per_s, ...
@@ -493,6 +495,8 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
     from eagle3_platform.store.checks import distinct_paths
 
     cfg = resolve_config(cfg)
+    endpoints = split_endpoints(endpoint)
+    endpoint = ",".join(endpoints) or None
     out_path = Path(out_path)
     rejected_path = Path(rejected_path or default_rejected_path(out_path))
     distinct_paths({"--in": in_path, "--out": out_path, "--rejected": rejected_path})
@@ -511,7 +515,7 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
     if cfg.reasoning != "keep":
         gen["reasoning"] = cfg.reasoning  # only where not the default: older outputs keep their key
     if endpoint:
-        gen["endpoint"] = _public_url(endpoint)
+        gen["endpoint"] = ",".join(_public_url(u) for u in endpoints)
     key = resume_key(meta, tok, gen)
     if restart or not (out_path.exists() or rejected_path.exists()):  # nothing a stash could go back to
         cut_stash_path(out_path).unlink(missing_ok=True)
@@ -530,6 +534,7 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
     if not clock.over():  # budget left: ask again what an earlier, smaller budget deferred or cut
         retried, recut = retry_deferred(rejected_path), retry_cut(out_path)
     t0 = time.perf_counter()
+    pool: dict = {}
     try:
         with JsonlAppender(out_path) as out, JsonlAppender(rejected_path) as rej:
             done = out.done_ids() | rej.done_ids()
@@ -551,7 +556,8 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
             turns = Turns(tok, cfg, on_answer=progress.turn)
             try:
                 if endpoint:
-                    run_endpoint(endpoint, convos, turns, cfg, done, emit, meta, api_key, clock)
+                    pool = run_endpoint(endpoints, convos, turns, cfg, done, emit, meta, api_key, clock,
+                                        served_model)
                 else:
                     run_local(target_dir, convos, turns, cfg, done, emit, clock, settled)
             finally:
@@ -564,6 +570,8 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
         summary.update(time_budget_s=cfg.time_budget_s, time_spent_s=round(clock.spent(), 1))
     if cfg.time_budget_s is not None or retried or recut or restored:
         summary.update(deferred_retried=retried, cut_retried=recut, cut_restored=restored)
+    if pool:
+        summary.update(endpoints=pool, endpoint_retries=sum(p["retries"] for p in pool.values()))
     if continued is not None:
         summary["continued_published"] = continued
     if stale:
@@ -807,27 +815,29 @@ def run_local(target_dir, convos: list[Convo], turns: Turns, cfg: RegenConfig, d
         decode_conversations(target.model, window, turns, cfg, budget, emit_new, clock.over)
 
 
-def run_endpoint(endpoint: str, convos: list[Convo], turns: Turns, cfg: RegenConfig, done: set[str], emit,
-                 meta: dict, api_key: str | None, clock: TimeBudget) -> None:
-    """The endpoint back end: a pool of cfg.concurrency worker threads, one conversation per task, its
-    turns asked in order; rows are written from the calling thread only (the appenders are not shared)."""
-    model = served_model(endpoint, meta["target_id"], api_key)
-    client = ChatClient(endpoint, model, api_key, cfg.request_timeout_s, cfg.max_retries, cfg.backoff_s)
+def run_endpoint(endpoints: list[str], convos: list[Convo], turns: Turns, cfg: RegenConfig, done: set[str], emit,
+                 meta: dict, api_key: str | None, clock: TimeBudget, served_model: str | None = None) -> dict:
+    """The endpoint back end: each endpoint is checked to serve the expected model before any request,
+    then cfg.concurrency worker threads per endpoint take conversations from one shared queue, one
+    conversation per task, its turns asked in order. Rows are written from the calling thread only (the
+    appenders are not shared), in the plan's order whatever the endpoints. Returns, per endpoint, the
+    conversations it answered and the retries it needed."""
+    # the embedded server names a speculative deployment `<target id>-eagle3`: the same weights, lossless
+    expected = [served_model] if served_model else [meta["target_id"], meta["target_id"] + "-eagle3"]
+    models = [check_served(u, expected, api_key) for u in endpoints]  # every endpoint, before any work
+    clients = [ChatClient(u, m, api_key, cfg.request_timeout_s, cfg.max_retries, cfg.backoff_s)
+               for u, m in zip(endpoints, models)]
     todo = [c for c in convos if c.rec.id not in done]
     if cfg.random_order:  # what a time budget leaves unasked is a random sample, not the input's tail
         todo = seeded_order(todo, cfg.seed)
     try:
-        with ThreadPoolExecutor(max_workers=cfg.concurrency) as pool:
-            futures = [pool.submit(converse, client, c, turns, cfg, clock) for c in todo]
-            try:
-                for f in as_completed(futures):
-                    emit(f.result())
-            except BaseException:
-                for f in futures:
-                    f.cancel()
-                raise
+        counts = spread(clients, todo, lambda client, c: converse(client, c, turns, cfg, clock), emit,
+                        cfg.concurrency)
     finally:
-        client.close()
+        for client in clients:
+            client.close()
+    return {_public_url(u): {"conversations": n, "retries": cl.retries}
+            for u, n, cl in zip(endpoints, counts, clients)}
 
 
 def converse(client: ChatClient, c: Convo, turns: Turns, cfg: RegenConfig, clock: TimeBudget) -> Convo:

@@ -66,7 +66,9 @@ class RegenerateRequest(ComputeRequest):
     seed: int | None = None
     time_budget_s: float | None = Field(default=None, ge=0)  # None: the preset's; 0: no limit
     reasoning: Literal["keep", "drop"] | None = None  # None: the preset's (keep)
-    endpoint: str | None = None  # OpenAI-compatible base URL; None = the local target
+    # OpenAI-compatible base URL(s), a list or comma-separated: data-parallel; None = the local target
+    endpoint: str | list[str] | None = None
+    served_model: str | None = None  # the id each endpoint's /v1/models must list; None: the target id
     api_key: str | None = Field(default=None, repr=False)
     scan_responses: bool = True
     restart: bool = False  # discard what out/rejected hold instead of resuming
@@ -145,7 +147,7 @@ def run_regenerate(req: RegenerateRequest) -> dict:
     return regenerate_file(req.target, req.in_path, req.out, regen_config(req), endpoint=req.endpoint,
                            rejected_path=req.rejected, scanner=None if req.scan_responses else False,
                            api_key=req.api_key, restart=req.restart, continue_from=published(req.continue_from),
-                           replace_stale=req.replace_stale)
+                           replace_stale=req.replace_stale, served_model=req.served_model)
 
 
 def published(src: PublishedResponses | None):
