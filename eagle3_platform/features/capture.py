@@ -70,7 +70,10 @@ def forward_capture(model, input_ids, layer_ids: Sequence[int], *, attention_mas
     finally:
         for h in handles:
             h.remove()
-    aux = torch.cat([captured[i] for i in layer_ids], dim=-1)  # 3 x [B,T,H] -> [B,T,3H]
+    # a sharded target (accelerate's device_map) leaves each layer's output on that layer's device:
+    # gathered onto the final norm's device before the concat
+    home = captured["norm"].device
+    aux = torch.cat([captured[i].to(home) for i in layer_ids], dim=-1)  # 3 x [B,T,H] -> [B,T,3H]
     return CaptureOutput(logits=out.logits if compute_logits else None, aux_hidden=aux,
                          last_hidden=captured["norm"],
                          past_key_values=getattr(out, "past_key_values", None))

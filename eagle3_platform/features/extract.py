@@ -39,18 +39,61 @@ REJECTED = "rejected.jsonl"
 STAGE = "features"
 
 
+MEMORY_BUDGET = -1  # FeatureConfig.batch_tokens: a token budget from free device memory
+MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def parse_device_map(text: str) -> str | dict | None:
+    """"" -> None (one device); a strategy name; or a JSON object {module name: device}, devices as
+    GPU indices, "cuda:N", "cpu" or "disk"."""
+    text = text.strip()
+    if not text:
+        return None
+    if text in MAP_STRATEGIES:
+        return text
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"device_map {text!r}: expected one of {MAP_STRATEGIES} or a JSON object ({e})") from None
+    if not isinstance(value, dict) or not value:
+        raise ValueError(f"device_map {text!r}: expected a non-empty JSON object {{module: device}}")
+    return value
+
+
+def parse_max_memory(text: str) -> dict | None:
+    """"" -> None; a JSON object {device: size}; GPU index keys ("0") become ints, as accelerate wants."""
+    if not text.strip():
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"max_memory {text!r}: expected a JSON object like {{\"0\": \"70GiB\"}} ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"max_memory {text!r}: expected a JSON object {{device: size}}")
+    return {int(k) if str(k).isdigit() else k: v for k, v in value.items()}
+
+
 @dataclass(frozen=True)
 class FeatureConfig:
     samples_per_shard: int  # conversations per shard file (also the resume granularity)
     max_length: int  # longer conversations are truncated to this many tokens (and counted)
-    batch_tokens: int  # padded tokens (B * longest) per target forward; <= longest => one at a time
+    batch_tokens: int  # padded tokens (B * longest) per target forward; <= longest => one at a time;
+    # MEMORY_BUDGET = sized from the free memory of the GPUs the target sits on (batch_budget)
     dtype: str = "bfloat16"  # stored feature dtype
     target_dtype: str = "auto"  # dtype the target runs in (compute.resolve_dtype, dense work)
     device: str = "auto"  # "auto" = cuda when available, else cpu
+    # sharded loading (target.load_sharded): "" = the whole target on `device`; "auto" | "balanced" |
+    # "sequential" | a JSON {module: device} map; max_memory: JSON {"0": "70GiB", "cpu": "200GiB"}
+    device_map: str = ""
+    max_memory: str = ""
+    offload_folder: str = ""  # where "disk" entries of the map are kept
 
     def __post_init__(self):
         if self.samples_per_shard < 1 or self.max_length < 1:
             raise ValueError(f"samples_per_shard and max_length must be >= 1: {self}")
+        if self.batch_tokens < MEMORY_BUDGET:
+            raise ValueError(f"batch_tokens {self.batch_tokens}: expected >= 0, or {MEMORY_BUDGET} (from free memory)")
+        parse_device_map(self.device_map), parse_max_memory(self.max_memory)  # bad settings fail here
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"feature dtype {self.dtype!r}: expected bfloat16, float16 or float32")
 
@@ -148,14 +191,49 @@ def length_batches(lengths: list[int], budget: int) -> list[list[int]]:
     return batches
 
 
+def input_device(model) -> torch.device:
+    """Where the token ids go: the device of the first placed module of a sharded target (accelerate's
+    hooks move them on from there; "cpu"/"disk" offload computes on the CPU), else the parameters'."""
+    placed = getattr(model, "hf_device_map", None)
+    if placed:
+        first = next(iter(placed.values()))
+        return torch.device(f"cuda:{first}" if isinstance(first, int) else
+                            "cpu" if first in ("cpu", "disk") else first)
+    return next(model.parameters()).device
+
+
+def _gpus(model) -> list[torch.device]:
+    placed = getattr(model, "hf_device_map", None)
+    devices = ({torch.device(f"cuda:{d}" if isinstance(d, int) else d) for d in placed.values()
+                if d not in ("cpu", "disk")} if placed else {next(model.parameters()).device})
+    return sorted((d for d in devices if d.type == "cuda"), key=str)
+
+
+def batch_budget(target: Target, cfg: FeatureConfig) -> int:
+    """cfg.batch_tokens, or for MEMORY_BUDGET half the free memory of the fullest GPU the target sits
+    on over an estimate of one token's live activations (one layer's hidden/attention/MLP states, the
+    captured states kept until the forward ends). Without a GPU: 0, one conversation per forward."""
+    if cfg.batch_tokens != MEMORY_BUDGET:
+        return cfg.batch_tokens
+    gpus = _gpus(target.model)
+    if not gpus:
+        return 0
+    free = min(torch.cuda.mem_get_info(d)[0] for d in gpus)
+    c = target.model.config.get_text_config()
+    itemsize = torch.empty(0, dtype=getattr(torch, target.meta["dtype"])).element_size()
+    per_token = itemsize * (8 * c.hidden_size + 3 * c.intermediate_size
+                            + (len(target.layer_ids) + 1) * c.hidden_size)
+    return int(0.5 * free / per_token)
+
+
 @torch.inference_mode()
 def compute_features(target: Target, samples: list[dict], cfg: FeatureConfig) -> list[dict]:
     """samples + aux_hidden [T,3H] / last_hidden [T,H] in cfg.dtype, input order kept."""
     model, layers = target.model, target.layer_ids
-    device, dtype = next(model.parameters()).device, getattr(torch, cfg.dtype)
+    device, dtype = input_device(model), getattr(torch, cfg.dtype)
     out: list[dict | None] = [None] * len(samples)
     lengths = [len(s["input_ids"]) for s in samples]
-    for batch in length_batches(lengths, cfg.batch_tokens):
+    for batch in length_batches(lengths, batch_budget(target, cfg)):
         T = lengths[batch[0]]  # longest first
         ids = torch.full((len(batch), T), target.tokenizer.pad_token_id or 0, dtype=torch.long)
         mask = torch.zeros(len(batch), T, dtype=torch.long)
@@ -260,7 +338,9 @@ def extract_file(target_dir: str | Path, conv_path: str | Path, out_dir: str | P
     if target is None:
         device = resolve_device(cfg.device)
         # whole conversations per forward: dense work (model/compute.py), where bf16 may not pay
-        target = load_target(target_dir, dtype=resolve_dtype(cfg.target_dtype, device, "dense"), device=device)
+        target = load_target(target_dir, dtype=resolve_dtype(cfg.target_dtype, device, "dense"), device=device,
+                             device_map=parse_device_map(cfg.device_map), max_memory=parse_max_memory(cfg.max_memory),
+                             offload_folder=cfg.offload_folder or None)
     header = target_header(target, cfg)
     sink = _sink(out_dir, storage, prefix)
     local = sink.local
@@ -277,6 +357,8 @@ def extract_file(target_dir: str | Path, conv_path: str | Path, out_dir: str | P
     summary = _summary(sink, header, stats, rows, rejected, written, skipped, time.perf_counter() - t0)
     # budget: aux 3H + last H states per token; in bf16 that is 8H bytes (+ ids/mask/offsets/header)
     itemsize = torch.empty(0, dtype=getattr(torch, cfg.dtype)).element_size()
+    if target.meta.get("device_map"):
+        summary["device_map"] = target.meta["device_map"]
     summary["budget_bytes_per_token"] = itemsize * (len(header["capture_layer_ids"]) + 1) * target.meta["hidden_size"]
     return summary
 

@@ -94,7 +94,9 @@ def identity(path: str | Path) -> dict:
     return {k: meta[k] for k in ("target_id", "weights_hash", "capture_layer_ids")}
 
 
-def load_target(path: str | Path, dtype: str = "float32", device: str = "cpu", pack: bool = True) -> Target:
+def load_target(path: str | Path, dtype: str = "float32", device: str = "cpu", pack: bool = True,
+                device_map: str | dict | None = None, max_memory: dict | None = None,
+                offload_folder: str | Path | None = None) -> Target:
     """dtype: 'auto' | 'bfloat16' | 'float32' (compute.resolve_dtype); recorded in meta['dtype'], and
     the dtype decode batches keep their KV cache in (compute.kv_cache_dtype) in meta['kv_cache_dtype'].
     pack: on CPU, the linear layers on oneDNN's packed layout (packed_linear.py; False = torch's
@@ -102,13 +104,17 @@ def load_target(path: str | Path, dtype: str = "float32", device: str = "cpu", p
     from how many rows a bf16 matmul runs on fp32 weights (compute.wide_matmul_rows; 0 = never),
     meta['rowmajor_rows'] below how many rows a matmul runs on the row-major weights
     (compute.narrow_matmul_rows; 0 = never), meta['int4_rows'] below how many on the 4-bit codes of
-    the meta['int4_linears'] weights that lie on such a grid (compute.int4_matmul_rows; 0 = never)."""
+    the meta['int4_linears'] weights that lie on such a grid (compute.int4_matmul_rows; 0 = never).
+    device_map: sharded loading for a target no single device holds (load_sharded; `device` and
+    `pack` are then unused)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     setting, dtype = dtype, resolve_dtype(dtype, device)
     path = Path(path)
     if not (path / META_FILE).exists():
         raise FileNotFoundError(f"{path} is not a prepared target; run `eagle3 prepare-target`")
+    if device_map:
+        return load_sharded(path, dtype, device_map, max_memory, offload_folder)
     int4 = int4_matmul_rows(setting, device) if pack and device == "cpu" else 0
     # codes are read off the checkpoint's own values: a bf16 model's weights are rounded off the grid,
     # so one decoding in bf16 on its codes loads in fp32 and is cast once its linears are packed
@@ -134,6 +140,30 @@ def load_target(path: str | Path, dtype: str = "float32", device: str = "cpu", p
                   meta={**read_meta(path), "dtype": dtype, "kv_cache_dtype": kv_cache_dtype(setting, device),
                         "packed_linears": packed, "wide_fp32_rows": wide, "rowmajor_rows": narrow,
                         "int4_rows": int4, "int4_linears": int4_linears})
+
+
+def load_sharded(path: Path, dtype: str, device_map: str | dict, max_memory: dict | None = None,
+                 offload_folder: str | Path | None = None) -> Target:
+    """The target spread over devices by transformers' `device_map` (accelerate's dispatch hooks move
+    each layer's inputs to its device; "cpu"/"disk" entries offload). device_map: "auto" | "balanced" |
+    "sequential" | {module name: device}; max_memory: {device: "20GiB"}. The embedded fast paths
+    (grouped attention, packed linears) are not installed: they assume one CPU-resident model.
+    meta['device_map'] records where each module went."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if isinstance(device_map, dict) and "disk" in device_map.values() and not offload_folder:
+        raise ValueError("a device_map with 'disk' entries needs an offload folder (--offload-folder)")
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=getattr(torch, dtype), device_map=device_map, max_memory=max_memory or None,
+        offload_folder=str(offload_folder) if offload_folder else None).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    placed = {k: str(v) for k, v in getattr(model, "hf_device_map", {}).items()}
+    return Target(model=model, tokenizer=tok,
+                  meta={**read_meta(path), "dtype": dtype, "kv_cache_dtype": dtype, "packed_linears": 0,
+                        "wide_fp32_rows": 0, "rowmajor_rows": 0, "int4_rows": 0, "int4_linears": 0,
+                        "device_map": placed})
 
 
 def _cast_parameters(model, dtype: torch.dtype) -> None:

@@ -1,0 +1,81 @@
+"""Sharded extraction (a `device_map` split, accelerate's dispatch hooks) writes the shards that a
+single-device extraction writes, within fp32 tolerance, under the same header and record checks."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from eagle3_platform.features.extract import PRESETS, FeatureConfig, extract_file, parse_device_map
+from eagle3_platform.features.shards import read_header, verify_shards
+from eagle3_platform.model.target import load_target
+from eagle3_platform.store.records import ConversationRecord, write_jsonl_atomic
+
+SPLIT = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu",
+         **{f"model.layers.{i}": "cpu" for i in range(3)},
+         **{f"model.layers.{i}": "disk" for i in range(3, 8)},
+         "model.norm": "disk", "lm_head": "cpu"}
+
+
+def _records(target, n: int) -> list[ConversationRecord]:
+    from eagle3_platform.data.chat import render, template_hash
+
+    words = "the quick brown fox jumps over lazy dog what is x answer four step by step".split()
+    out = []
+    for i in range(n):
+        msgs = [{"role": "user", "content": " ".join(words[(i + j) % len(words)] for j in range(3 + i))},
+                {"role": "assistant", "content": " ".join(words[(2 * i + j) % len(words)] for j in range(4 + i))}]
+        ids, mask = render(target.tokenizer, msgs)
+        out.append(ConversationRecord(id=f"c{i}", workload="chat", source="test", license="none", messages=msgs,
+                                      input_ids=ids, loss_mask=mask, template_hash=template_hash(target.tokenizer),
+                                      target_id=target.meta["target_id"]))
+    return out
+
+
+def _tensors(path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def test_sharded_extraction_equals_single_device(tiny_target, tiny_target_dir, tmp_path):
+    conv = tmp_path / "conv.jsonl"
+    write_jsonl_atomic(conv, _records(tiny_target, 5))
+    cfg = replace(PRESETS["tiny"], samples_per_shard=3, dtype="float32")
+    single = extract_file(tiny_target_dir, conv, tmp_path / "single", cfg)
+    sharded_cfg = replace(cfg, device_map=json.dumps(SPLIT), offload_folder=str(tmp_path / "offload"))
+    sharded = extract_file(tiny_target_dir, conv, tmp_path / "sharded", sharded_cfg)
+    assert set(sharded["device_map"].values()) == {"cpu", "disk"}  # the split really took place
+    assert sharded["header"] == single["header"] and sharded["shards"] == single["shards"] == 2
+    assert verify_shards(tmp_path / "sharded")["bad"] == []
+    for k in range(2):
+        name = f"shard-{k:05d}.safetensors"
+        a, b = _tensors(tmp_path / "single" / name), _tensors(tmp_path / "sharded" / name)
+        assert read_header(tmp_path / "single" / name) == read_header(tmp_path / "sharded" / name)
+        assert a.keys() == b.keys()
+        for key in ("input_ids", "loss_mask"):
+            assert torch.equal(a[key], b[key])
+        for key in ("aux_hidden", "last_hidden"):
+            assert a[key].abs().max() > 0
+            torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-5)
+
+
+def test_sharded_load_skips_fast_path_and_refuses_bad_settings(tiny_target_dir, tmp_path):
+    t = load_target(tiny_target_dir, device_map=SPLIT, offload_folder=tmp_path / "off")
+    assert t.meta["packed_linears"] == 0 and t.meta["device_map"]["model.layers.7"] == "disk"
+    layers = t.model.model.layers
+    # disk entries hold no weights in memory (meta tensors, read back by accelerate's hook per forward)
+    assert all(p.device.type == "meta" for p in layers[5].parameters())
+    assert all(p.device.type == "cpu" for p in layers[0].parameters())
+    assert hasattr(layers[5], "_hf_hook")
+    with pytest.raises(ValueError, match="offload folder"):
+        load_target(tiny_target_dir, device_map=SPLIT)
+    with pytest.raises(ValueError, match="device_map"):
+        parse_device_map("everywhere")
+    with pytest.raises(ValueError, match="max_memory"):
+        FeatureConfig(4, 512, 0, max_memory="[1]")
+    with pytest.raises(ValueError, match="batch_tokens"):
+        FeatureConfig(4, 512, -2)
+    assert parse_device_map("auto") == "auto" and parse_device_map("") is None
