@@ -79,3 +79,31 @@ def test_sharded_load_skips_fast_path_and_refuses_bad_settings(tiny_target_dir, 
     with pytest.raises(ValueError, match="batch_tokens"):
         FeatureConfig(4, 512, -2)
     assert parse_device_map("auto") == "auto" and parse_device_map("") is None
+
+
+def test_cli_extract_device_map_reaches_the_loader(tiny_target, tiny_target_dir, tmp_path, capsys):
+    from eagle3_platform.cli import main
+
+    conv = tmp_path / "conv.jsonl"
+    write_jsonl_atomic(conv, _records(tiny_target, 2))
+    argv = ["extract", "--target", str(tiny_target_dir), "--in", str(conv), "--preset", "tiny",
+            "--device-map", json.dumps(SPLIT), "--offload-folder", str(tmp_path / "off")]
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["samples"] == 2 and last["device_map"]["model.layers.0"] == "cpu"
+    assert main([*argv, "--out", str(tmp_path / "bad"), "--max-memory", "nope"]) == 2
+    assert "max_memory" in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["error"]
+
+
+def test_memory_budget_from_free_gpu_memory(tiny_target, monkeypatch):
+    from eagle3_platform.features import extract
+
+    cfg = FeatureConfig(4, 512, extract.MEMORY_BUDGET)
+    assert extract.batch_budget(tiny_target, cfg) == 0  # no GPU: one conversation per forward, as before
+    assert extract.batch_budget(tiny_target, replace(cfg, batch_tokens=777)) == 777
+    monkeypatch.setattr(extract, "_gpus", lambda model: [torch.device("cuda:0"), torch.device("cuda:1")])
+    free = {"cuda:0": 8 << 30, "cuda:1": 2 << 30}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (free[str(d)], 80 << 30))
+    H, inter = 64, 128  # the tiny target: fp32, 3 captured layers + the final state
+    per_token = 4 * (8 * H + 3 * inter + 4 * H)
+    assert extract.batch_budget(tiny_target, cfg) == int(0.5 * (2 << 30) / per_token)  # the fuller GPU bounds it

@@ -14,6 +14,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     add_preset_arg(p)
     p.add_argument("--samples-per-shard", type=int, default=None)
     p.add_argument("--max-length", type=int, default=None)
+    p.add_argument("--batch-tokens", type=int, default=None,
+                   help="padded tokens per forward (0 = one conversation at a time; -1 = from free GPU memory)")
+    p.add_argument("--device-map", default=None,
+                   help="load the target sharded: auto | balanced | sequential | JSON {module: device} "
+                        "(devices: GPU index, cpu, disk)")
+    p.add_argument("--max-memory", default=None, help='with --device-map: JSON {device: size}, e.g. {"0": "70GiB"}')
+    p.add_argument("--offload-folder", default=None, help="with --device-map: where its 'disk' entries live")
     add_compute_args(p)
     p.set_defaults(func=_extract)
 
@@ -28,6 +35,8 @@ def _extract(args) -> dict:
 
     return run(ExtractRequest(target=args.target, in_path=args.conv, out=args.out, preset=args.preset,
                               samples_per_shard=args.samples_per_shard, max_length=args.max_length,
+                              batch_tokens=args.batch_tokens, device_map=args.device_map,
+                              max_memory=args.max_memory, offload_folder=args.offload_folder,
                               dtype=args.dtype, torch_threads=args.threads))
 
 
