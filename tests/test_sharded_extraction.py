@@ -107,3 +107,27 @@ def test_memory_budget_from_free_gpu_memory(tiny_target, monkeypatch):
     H, inter = 64, 128  # the tiny target: fp32, 3 captured layers + the final state
     per_token = 4 * (8 * H + 3 * inter + 4 * H)
     assert extract.batch_budget(tiny_target, cfg) == int(0.5 * (2 << 30) / per_token)  # the fuller GPU bounds it
+
+
+def test_background_writer_error_surfaces_and_manifest_lists_finished_shards(tiny_target, tiny_target_dir,
+                                                                             tmp_path, monkeypatch):
+    from eagle3_platform.features import extract
+    from eagle3_platform.features.shards import read_manifest
+
+    conv = tmp_path / "conv.jsonl"
+    write_jsonl_atomic(conv, _records(tiny_target, 5))
+    real = extract.write_shard
+
+    def failing(path, samples, header):
+        if path.name == "shard-00001.safetensors":
+            raise OSError("disk full")
+        return real(path, samples, header)
+
+    monkeypatch.setattr(extract, "write_shard", failing)
+    cfg = replace(PRESETS["tiny"], samples_per_shard=2)
+    with pytest.raises(OSError, match="disk full"):
+        extract_file(tiny_target_dir, conv, tmp_path / "out", cfg, target=tiny_target)
+    assert read_manifest(tmp_path / "out")["shard"].to_list() == ["shard-00000.safetensors"]
+    monkeypatch.setattr(extract, "write_shard", real)  # the rerun keeps shard 0 and writes the rest
+    summary = extract_file(tiny_target_dir, conv, tmp_path / "out", cfg, target=tiny_target)
+    assert (summary["shards_skipped"], summary["shards_written"], summary["samples"]) == (1, 2, 5)

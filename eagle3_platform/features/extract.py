@@ -9,6 +9,13 @@ Resume without recompute: the accepted records are cut into fixed slices, shard 
 lists exactly the shards that are complete; a rerun re-hashes each listed shard, checks its header and
 record ids against what it would write, skips it when everything matches, and recomputes it otherwise.
 
+Shard files and the manifest are written by one background thread in shard order while the next
+shard's forwards run (_Writer, at most one shard waiting).
+
+A target no single device holds loads sharded (FeatureConfig.device_map: transformers' device_map,
+accelerate's dispatch hooks); the captured states are gathered to the CPU and the shards are those a
+single-device run writes.
+
 Accounting: read = samples in shards + rejected (rejected.jsonl, each with a reason).
 """
 from __future__ import annotations
@@ -373,33 +380,82 @@ def _nothing_usable(conv_path, read: int, rejected: list[Rejection], rejected_pa
 
 
 def _run_shards(target, cfg, header, sink, slices) -> tuple[list[dict], list[str], list[str]]:
-    """Shard k = slices[k]: kept when an earlier run finished it, computed otherwise."""
+    """Shard k = slices[k]: kept when an earlier run finished it, computed otherwise. The forwards run
+    here; writing, publishing and the manifest run on one writer thread in shard order (at most one
+    computed shard waits for it), so a GPU never idles on the disk or the bucket and the manifest still
+    lists only shards that are complete on disk."""
     previous = sink.previous_rows()
     rows, written, skipped = [], [], []
     todo_tokens = sum(len(s["input_ids"]) for chunk in slices for s in chunk)
-    done_tokens, t_compute, total = 0, 0.0, len(slices)
-    for k, chunk in enumerate(slices):
-        name = shard_name(k)
-        chunk_tokens = sum(len(s["input_ids"]) for s in chunk)
-        if _reusable(sink, name, previous.get(name), header, chunk):
-            rows.append(previous[name])
-            skipped.append(name)
-            todo_tokens -= chunk_tokens
-            report_progress("extract", k + 1, total, "shards", f"{name}: verified, kept")
-            continue
-        t = time.perf_counter()
-        row = write_shard(sink.local / name, compute_features(target, chunk, cfg), header)
+    clock = {"done_tokens": 0, "start": 0.0}
+    total = len(slices)
+
+    def keep(k: int, name: str, chunk_tokens: int) -> None:
+        nonlocal todo_tokens
+        rows.append(previous[name])
+        skipped.append(name)
+        todo_tokens -= chunk_tokens
+        report_progress("extract", k + 1, total, "shards", f"{name}: verified, kept")
+
+    def write(k: int, name: str, features: list[dict], chunk_tokens: int, t: float) -> None:
+        row = write_shard(sink.local / name, features, header)
         sink.publish(name)
         rows.append({**row, "uri": sink.uri(name)})
         written.append(name)
         _commit_manifest(sink, rows, previous, k)
-        t_compute += time.perf_counter() - t
-        done_tokens += chunk_tokens
-        rate = done_tokens / max(t_compute, 1e-9)
+        clock["done_tokens"] += chunk_tokens  # forwards and writes overlap: the rate is over wall time
+        rate = clock["done_tokens"] / max(time.perf_counter() - clock["start"], 1e-9)
         report_progress("extract", k + 1, total, "shards",
                         f"{name}: {row['samples']} samples, {row['tokens']} tokens, {time.perf_counter() - t:.1f}s, "
-                        f"{rate:.0f} tok/s, eta {(todo_tokens - done_tokens) / rate:.0f}s")
+                        f"{rate:.0f} tok/s, eta {(todo_tokens - clock['done_tokens']) / rate:.0f}s")
+
+    with _Writer() as writer:
+        for k, chunk in enumerate(slices):
+            name = shard_name(k)
+            chunk_tokens = sum(len(s["input_ids"]) for s in chunk)
+            if _reusable(sink, name, previous.get(name), header, chunk):
+                writer.submit(keep, k, name, chunk_tokens)
+                continue
+            t = time.perf_counter()
+            clock["start"] = clock["start"] or t  # the first forward
+            writer.submit(write, k, name, compute_features(target, chunk, cfg), chunk_tokens, t)
     return rows, written, skipped
+
+
+class _Writer:
+    """One background thread running jobs in submission order, with at most `depth` jobs waiting (a
+    bounded queue: computed shards do not pile up in memory). A job's error is raised in the caller
+    at the next submit or on exit, and the jobs after it are dropped; on exit every submitted job has
+    finished (a failed forward still leaves the shards before it written and listed)."""
+
+    def __init__(self, depth: int = 1):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool, self.depth, self.pending = ThreadPoolExecutor(1, thread_name_prefix="shard-writer"), depth, []
+        self.failed = False
+
+    def submit(self, fn, *args) -> None:
+        self.pending.append(self.pool.submit(self._run, fn, *args))
+        while len(self.pending) > self.depth:
+            self.pending.pop(0).result()
+
+    def _run(self, fn, *args) -> None:
+        if self.failed:  # a later shard must not be listed while an earlier one is missing
+            return
+        try:
+            fn(*args)
+        except BaseException:
+            self.failed = True
+            raise
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.pool.shutdown(wait=True)
+        if exc[0] is None:
+            for f in self.pending:
+                f.result()
 
 
 def _commit_manifest(sink: _Sink, rows: list[dict], previous: dict, upto: int) -> None:
