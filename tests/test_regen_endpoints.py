@@ -174,3 +174,22 @@ def test_endpoint_lists_and_retry_after():
         split_endpoints(["http://u:pw@a:1", "http://u:pw@a:1"])
     assert retry_after_s("2") == 2.0 and retry_after_s(None) is None and retry_after_s("soon") is None
     assert retry_after_s("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0  # a date in the past: at once
+
+
+def test_the_cli_takes_repeated_endpoints_and_reports_a_refusal(tiny_target_dir, servers, tmp_path, capsys):
+    from eagle3_platform.cli import main
+
+    inp = write_in(tmp_path / "in.jsonl", USERS[:3])
+
+    def cli(*endpoints) -> tuple[int, dict]:
+        capsys.readouterr()
+        rc = main(["regenerate", "--target", str(tiny_target_dir), "--in", str(inp), "--out",
+                   str(tmp_path / "out.jsonl"), "--preset", "tiny", "--max-new-tokens", "8", "--no-scan-responses",
+                   *[a for e in endpoints for a in ("--endpoint", e)]])
+        return rc, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    with embedded(tiny_target_dir, "other-model") as other:
+        rc, s = cli(servers[0], other.url)
+    assert rc != 0 and other.url in s["error"] and "'other-model'" in s["error"]
+    rc, s = cli(*servers)
+    assert rc == 0 and s["written"] == 3 and set(s["endpoints"]) == set(servers)

@@ -39,8 +39,9 @@ class EndpointRequestError(ValueError):
         self.reason = reason or f"endpoint:{status}"
 
 
-class EndpointRefused(RuntimeError):
-    """The endpoint refuses every request (401/403/404): a setting is wrong, not a record."""
+class EndpointRefused(RuntimeError, ValueError):
+    """The endpoint refuses every request (401/403/404), or does not serve the expected model: a setting
+    is wrong, not a record (a ValueError too: the CLI's one-line error for bad input)."""
 
 
 REFUSED = {401: "the API key", 403: "the API key", 404: "the URL or the model name"}
