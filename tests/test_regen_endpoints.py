@@ -164,6 +164,15 @@ def test_an_endpoint_serving_another_model_is_refused_before_any_work(tiny_targe
         s = regenerate_file(tiny_target_dir, write_in(tmp_path / "in2.jsonl", USERS[:2]), tmp_path / "out2.jsonl",
                             CFG, endpoint=other.url, scanner=False, served_model="other-model")
     assert s["written"] == 2
+    # a server started on the model's directory lists its path: its last components are the target id
+    with embedded(tiny_target_dir, "/models/tiny-random") as by_path, Proxy(by_path.url) as watch:
+        s = regenerate_file(tiny_target_dir, write_in(tmp_path / "in3.jsonl", USERS[:1]), tmp_path / "out3.jsonl",
+                            CFG, endpoint=watch.url, scanner=False)
+    assert s["written"] == 1 and json.loads(watch.seen[0][0])["model"] == "/models/tiny-random"
+    with embedded(tiny_target_dir, "/models/not-tiny-random") as near:
+        with pytest.raises(EndpointRefused, match="not-tiny-random"):
+            regenerate_file(tiny_target_dir, tmp_path / "in3.jsonl", tmp_path / "out4.jsonl", CFG,
+                            endpoint=near.url, scanner=False)
 
 
 def test_endpoint_lists_and_retry_after():

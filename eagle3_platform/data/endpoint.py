@@ -188,8 +188,9 @@ def split_endpoints(endpoint: str | Sequence[str] | None) -> list[str]:
 def check_served(endpoint: str, expected: str | Sequence[str], api_key: str | None = None,
                  timeout_s: float = 10.0) -> str:
     """GET `/v1/models` must list one of the `expected` ids (the prepared target's id, or the name it is
-    served under): answers of other weights would train a head for the wrong target. Anything else ->
-    EndpointRefused naming the URL, the expected id and what is served. Returns the id to ask for."""
+    served under), as is or as a path's tail (`--model-path /models/<id>`): answers of other weights
+    would train a head for the wrong target. Anything else -> EndpointRefused naming the URL, the
+    expected id and what is served. Returns the served id (the one to ask for)."""
     import httpx
 
     expected = [expected] if isinstance(expected, str) else list(expected)
@@ -209,9 +210,10 @@ def check_served(endpoint: str, expected: str | Sequence[str], api_key: str | No
     if served is None:
         raise EndpointRefused(f"endpoint {shown} lists no models (HTTP {r.status_code}): cannot check that it "
                               f"serves {want}")
-    for e in expected:
-        if e in served:
-            return e
+    for e in expected:  # SGLang and vLLM name a model by the path they were given: /models/<target id>
+        for s in served:
+            if s == e or s.endswith("/" + e):
+                return s
     raise EndpointRefused(f"endpoint {shown} serves {served}, not the expected model {want}: serve the prepared "
                           f"weights there (or name the id they are served under: --served-model)")
 
