@@ -29,6 +29,7 @@ def _extract_split(context, w: str, split: str, storage, target, preset, compute
     seeded = _seed_from_published(storage, Keys.features(w, split), out)
     summary = compute.run(context, ExtractRequest(target=str(target.dir()), in_path=str(conv), out=str(out),
                                                   preset=preset.name, max_length=target.max_length,
+                                                  device_map=target.device_map, max_memory=target.max_memory,
                                                   **preset.compute()))
     # Sidecar naming the target these features belong to: consumers pick matching partitions cheaply.
     (out / TARGET_SIDECAR).write_text(json.dumps(expect_header(target)))

@@ -16,6 +16,9 @@ class TargetResource(ConfigurableResource):
     max_length: int | None = None  # None: the preset's max length
     prepared_dir: str | None = None  # None: <EAGLE3_CACHE>/prepared/<model name>
     endpoint: str | None = None  # OpenAI-compatible server of this target: regenerate through it
+    # extraction of a target no single device holds (FeatureConfig.device_map): None = one device
+    device_map: str | None = None  # "auto" | "balanced" | "sequential" | JSON {module: device}
+    max_memory: str | None = None  # JSON {device: size}
 
     def dir(self) -> Path:
         """The prepared target directory (prepared on first use; cached afterwards)."""

@@ -70,8 +70,6 @@ def test_sharded_load_skips_fast_path_and_refuses_bad_settings(tiny_target_dir, 
     assert all(p.device.type == "meta" for p in layers[5].parameters())
     assert all(p.device.type == "cpu" for p in layers[0].parameters())
     assert hasattr(layers[5], "_hf_hook")
-    with pytest.raises(ValueError, match="offload folder"):
-        load_target(tiny_target_dir, device_map=SPLIT)
     with pytest.raises(ValueError, match="device_map"):
         parse_device_map("everywhere")
     with pytest.raises(ValueError, match="max_memory"):
@@ -131,3 +129,30 @@ def test_background_writer_error_surfaces_and_manifest_lists_finished_shards(tin
     monkeypatch.setattr(extract, "write_shard", real)  # the rerun keeps shard 0 and writes the rest
     summary = extract_file(tiny_target_dir, conv, tmp_path / "out", cfg, target=tiny_target)
     assert (summary["shards_skipped"], summary["shards_written"], summary["samples"]) == (1, 2, 5)
+
+
+def test_feature_shards_asset_extracts_through_the_device_map(tiny_target, tiny_target_dir, tmp_path, monkeypatch):
+    """Dagster: EAGLE3_EXTRACT_DEVICE_MAP reaches the target resource, and the asset's extraction loads
+    the target sharded (the device map it used is in the materialization's metadata)."""
+    from dagster import DagsterInstance
+
+    from assets.partitions import SPLITS, Keys
+    from dagster_helpers import meta, run, tiny_resources
+    from resources import StorageResource, TargetResource, build_resources
+
+    monkeypatch.setenv("EAGLE3_EXTRACT_DEVICE_MAP", "auto")
+    # ~600 KB of the CPU holds the embeddings and two layers of the tiny target: the rest is offloaded
+    monkeypatch.setenv("EAGLE3_EXTRACT_MAX_MEMORY", '{"cpu": "600KB"}')
+    built = build_resources(env="local", target=str(tiny_target_dir))["target"]
+    assert (built.device_map, built.max_memory) == ("auto", '{"cpu": "600KB"}')
+    storage = StorageResource(root=str(tmp_path / "data"))
+    for split in SPLITS:
+        write_jsonl_atomic(storage.local_path(Keys.conversations("chat", split)), _records(tiny_target, 3))
+    resources = tiny_resources(storage, tiny_target_dir)
+    resources["target"] = TargetResource(model=str(tiny_target_dir), prepared_dir=str(tiny_target_dir),
+                                         device_map=built.device_map, max_memory=built.max_memory)
+    with DagsterInstance.ephemeral() as instance:
+        result = run(["feature_shards"], resources, instance, partition="chat")
+    m = meta(result, "feature_shards")
+    assert m["samples"] == m["eval_samples"] == 3 and m["shards"] == 1
+    assert "device_map" in m and "eval_device_map" in m  # extraction reported the placement it used

@@ -151,11 +151,11 @@ def load_sharded(path: Path, dtype: str, device_map: str | dict, max_memory: dic
     meta['device_map'] records where each module went."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if isinstance(device_map, dict) and "disk" in device_map.values() and not offload_folder:
-        raise ValueError("a device_map with 'disk' entries needs an offload folder (--offload-folder)")
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=getattr(torch, dtype), device_map=device_map, max_memory=max_memory or None,
-        offload_folder=str(offload_folder) if offload_folder else None).eval()
+    # where "disk" entries go (a map's own, or what max_memory leaves over): safetensors weights are
+    # read in place, other formats are copied there
+    folder = Path(offload_folder) if offload_folder else cache_root() / "offload" / path.name
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), device_map=device_map,
+                                                 max_memory=max_memory or None, offload_folder=str(folder)).eval()
     tok = AutoTokenizer.from_pretrained(path)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
