@@ -9,8 +9,10 @@ cd "$(dirname "$0")/.."
 ENV_DIR=${EAGLE3_SGLANG_CPU_ENV:-.cache/venv-sglang-cpu}
 SGLANG=$(grep -m1 '^sglang==' scripts/sglang-requirements.txt)
 # what `import sglang` and its model code import beyond torch/transformers. Not torchvision: PyPI has
-# only its CUDA build, which cannot load under the CPU torch (the test then checks the source only).
-LIGHT="orjson pybase64 msgspec ipython traitlets triton"
+# only its CUDA build, which cannot load under the CPU torch, nor vllm (its rotary kernel is imported on
+# a plain CPU): the test stands in for both, as loading weights calls neither.
+LIGHT="orjson pybase64 msgspec ipython traitlets triton dill apache-tvm-ffi sentencepiece compressed-tensors
+  loguru openai sniffio partial-json-parser"
 [ -x "$ENV_DIR/bin/python" ] || .venv/bin/python -m venv "$ENV_DIR"
 "$ENV_DIR/bin/python" - <<'PY'
 import pathlib, site, subprocess

@@ -7,7 +7,7 @@ CPU venv scripts/sglang_cpu_venv.sh builds (sglang --no-deps over the project's 
 - the load: import the model class, build it from the export's config on the CPU, load the exported
   weights through its own load_weights and compare them. Where the model code cannot be imported
   (PyPI's torchvision, which sglang's config package imports, is a CUDA build that cannot load under
-  the CPU torch) the test says so and skips.
+  the CPU torch) the load stands in for it and for vllm, which loading never calls.
 Both skip, saying how to build it, where the venv is absent.
 """
 from __future__ import annotations
@@ -96,9 +96,37 @@ def test_export_config_and_names_match_sglangs_eagle3_source(random_head_export)
 
 
 LOAD = r'''
-import json, sys, torch
+import importlib.machinery, importlib.util, json, sys, types, torch
 from pathlib import Path
+import transformers.utils.import_utils  # noqa: F401  (records torchvision as absent before the stand-in)
 export = Path(sys.argv[1])
+
+
+class _Absent(types.ModuleType):
+    """Stands in for torchvision (PyPI's is a CUDA build the CPU torch cannot load), imported by
+    sglang's config package for vision models, and vllm, whose rotary kernel sglang's RoPE imports
+    on a plain CPU: an attribute is another stand-in. Loading weights calls neither."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return sys.modules.setdefault(f"{self.__name__}.{name}", _Absent(f"{self.__name__}.{name}"))
+
+
+class _AbsentFinder:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in STAND_INS:
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+
+    def create_module(self, spec):
+        return _Absent(spec.name)
+
+    def exec_module(self, module):
+        module.__path__ = []
+
+
+STAND_INS = {m for m in ("torchvision", "vllm") if importlib.util.find_spec(m) is None}
+sys.meta_path.insert(0, _AbsentFinder())
 try:
     from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
 except Exception as e:
@@ -106,9 +134,13 @@ except Exception as e:
 from safetensors.torch import load_file
 from transformers import LlamaConfig
 from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
+from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+set_global_server_args_for_scheduler(ServerArgs(model_path=str(export), device="cpu"))  # as a scheduler does
 init_distributed_environment(backend="gloo", world_size=1, rank=0, local_rank=0,
                              distributed_init_method="tcp://127.0.0.1:" + sys.argv[2])
-initialize_model_parallel(1)
+initialize_model_parallel()  # widths from the published server args (all 1)
+from sglang.srt.runtime_context import get_parallel
+get_parallel().override_permanently(tp_rank=0)  # one rank: what a launcher's rank bundle says
 cfg = LlamaConfig.from_pretrained(export)
 model = LlamaForCausalLMEagle3(cfg)
 weights = load_file(str(export / "model.safetensors"))
