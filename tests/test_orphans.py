@@ -131,6 +131,18 @@ def resources_for(root, tiny_target_dir, **serving) -> dict:
             "compute": ComputeResource(), "serving": ServingResource(mode="embedded", **serving)}
 
 
+def check_now(data: Path, tiny_target_dir) -> tuple[bool, str]:
+    """Run deployment_answers alone (as from the asset page): (passed, description)."""
+    from dagster import AssetCheckKey, AssetKey, AssetSelection, DagsterInstance, materialize
+    from dagster_helpers import GRAPH
+
+    with DagsterInstance.ephemeral() as inst:
+        result = materialize(GRAPH, selection=AssetSelection.checks(AssetCheckKey(AssetKey("deployment"),
+                             "deployment_answers")), instance=inst, resources=resources_for(data, tiny_target_dir))
+    [evaluation] = result.get_asset_check_evaluations()
+    return evaluation.passed, evaluation.description
+
+
 def deploy(data: Path, tiny_target_dir, keep_running: bool):
     from dagster import DagsterInstance, materialize
     from dagster_helpers import GRAPH, meta
@@ -156,16 +168,20 @@ def test_deployment_says_what_serves_and_eagle3_stop_stops_a_persistent_one(tmp_
         assert m["server"].startswith("persistent:") and f"eagle3 stop --data-dir {data}" in m["server"]
         assert httpx.get(f"{desc['url']}/health", timeout=10).status_code == 200  # up after the run
         assert Path(desc["pid_file"]).is_file() and json.loads(Path(desc["pid_file"]).read_text())["pid"] == pid
+        assert check_now(data, tiny_target_dir) == (True, f"persistent: {desc['url']} (pid {pid}) answers /health now")
         assert main(["stop", "--data-dir", str(data), "--list"]) == 0
         listed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["servers"]
         assert [(s["pid"], s["role"], s["persistent"], s["up"]) for s in listed] == [(pid, "deployment", True, True)]
         assert main(["stop", "--data-dir", str(data)]) == 0
         assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["stopped"] == [pid]
         assert gone(pid) and not Path(desc["pid_file"]).exists()
+        passed, state = check_now(data, tiny_target_dir)  # the asset page's check now says it is down
+        assert not passed and state.endswith("does not answer /health now")
         # transient: the step's own server, stopped with it; its url is not offered as a link
         m2, desc2 = deploy(data, tiny_target_dir, keep_running=False)
         assert not m2["running"] and not m2["persistent"] and m2["server"].startswith("transient:")
         assert m2["url"].endswith("(stopped)") and desc2["pid_file"] is None and gone(desc2["pid"])
+        assert check_now(data, tiny_target_dir)[0]  # transient: stopped with its step, as designed
         for key in ("target_dir",):  # no path in the description names a file that is not there
             assert Path(desc2[key]).exists()
     finally:
