@@ -372,7 +372,7 @@ def test_bench_cli_against_tiny_target_servers(tmp_path, prompts_file, tiny_targ
             proc = subprocess.run(
                 [sys.executable, "-m", "eagle3_platform.cli", "bench", "--url", eagle.url,
                  "--baseline-url", base.url, "--concurrency", "1,2", "--prompts",
-                 str(prompts_file), "--duration", "3", "--out", str(out), "--max-tokens", "8"],
+                 str(prompts_file), "--duration", "6", "--out", str(out), "--max-tokens", "8"],
                 capture_output=True, text=True, timeout=400)
         finally:
             assert eagle.stop() == 0
