@@ -39,6 +39,11 @@ but the prompt's last token (causal, no padding mask) becomes the row's Prefix, 
 forward then runs only the last tokens. Batched, a padded prefill goes through attention under a
 padding mask, and for long prompts that costs more than the padding itself (~1.9x the time of
 prefilling them one at a time).
+
+Both leave padding in the middle of a row, which only full attention reads exactly: transformers
+measures sliding windows (and a chunk's bounds past the leading padding) in cache slots, so pads
+between a row's prefix and its suffix would shift them. A target with any sliding or chunked layer
+(families.attention_layout) therefore prefills every prompt whole, in one left-padded batch.
 """
 from __future__ import annotations
 
@@ -49,6 +54,7 @@ from typing import Callable
 import torch
 
 from eagle3_platform.model.attention import cache_buffer
+from eagle3_platform.model.families import FULL, UnsupportedTarget, attention_layout
 from eagle3_platform.model.forward import step_forward, supports
 from eagle3_platform.model.kv_cache import GrowingCache, slot_capacity
 from eagle3_platform.model.ragged import row_groups
@@ -231,7 +237,11 @@ class _Rows:
         if new:
             device = next(model.parameters()).device
             prompts = [r.ids for r in new]
-            prefixes = _prefill_long_alone(model, prompts, [r.prefix for r in new], device)
+            prefixes = [r.prefix for r in new]
+            if middle_padding_exact(model.config):
+                prefixes = _prefill_long_alone(model, prompts, prefixes, device)
+            else:  # leading padding only: the whole prompt prefilled, no cache reused
+                prefixes = [None] * len(new)
             for r in new:
                 r.prefix = None  # the batch's cache holds it from here on
             cache, mask, last_logits = _prefill(model, prompts, prefixes, pad_id, device)
@@ -306,6 +316,16 @@ class _Rows:
         return Prefix(ids=list(r.ids) + g.tokens[:-1],
                       keys=[layer.keys[b][:, slots] for layer in self.cache.layers],
                       values=[layer.values[b][:, slots] for layer in self.cache.layers])
+
+
+def middle_padding_exact(config) -> bool:
+    """A row may hold padding between its tokens ([pad][prefix][pad][suffix]) and decode exactly: every
+    layer attends fully (a window or chunk is measured in cache slots, so pads inside a row would
+    shift it). An unregistered family is taken as not full (exact, without cache reuse)."""
+    try:
+        return set(attention_layout(config).kinds) == {FULL}
+    except UnsupportedTarget:
+        return False
 
 
 def padding_groups(mask: torch.Tensor) -> list[tuple[int, int, int]]:
