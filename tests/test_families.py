@@ -55,14 +55,14 @@ def _cfg(family):
 @pytest.mark.parametrize("family,kinds", [
     ("llama", {FULL}), ("qwen2", {FULL}), ("qwen3", {FULL}), ("qwen3_moe", {FULL}), ("phi3", {FULL}),
     ("mistral", {SLIDING}), ("gemma3_text", {SLIDING, FULL}), ("gemma3", {SLIDING, FULL}), ("llama4", {CHUNKED, FULL}),
-    ("gpt_oss", {SLIDING, FULL})])
+    ("gpt_oss", {SLIDING, FULL}), ("mistral3", {FULL})])
 def test_attention_layouts(family, kinds):
     cfg = _cfg(family)
     lay = attention_layout(cfg)
     assert set(lay.kinds) == kinds and len(lay.kinds) == families.text_config(cfg).num_hidden_layers
     assert (lay.window == 16) == (SLIDING in kinds) and (lay.chunk == 16) == (CHUNKED in kinds)
     assert lay.additive == (family == "gpt_oss") == lay.sinks  # sinks: transformers' eager kernel, additive masks
-    assert families.step_loop(cfg) == (family == "llama")
+    assert families.step_loop(cfg) == (family in ("llama", "mistral3"))  # Mistral-3: no window
 
 
 def test_mistral_without_window_takes_the_step_loop():
@@ -82,6 +82,10 @@ def test_nested_configs_read_through_their_text_config():
     d = g.to_dict()
     assert families.text_config(d)["num_hidden_layers"] == 5  # dicts (config.json) too
     assert "language_model.model.embed_tokens.weight" in families.checkpoint_names(_cfg("llama4"), "embed_tokens")
+    m = _cfg("mistral3")  # Mistral-3: a mistral text_config, the decoder under model.language_model
+    assert families.text_config(m).model_type == "mistral" and family_of(m).decoder == "model.language_model"
+    assert families.causal_lm_class(m).__name__ == "Mistral3ForConditionalGeneration"
+    assert families.causal_lm_class(_cfg("gemma3")).__name__ == "AutoModelForCausalLM"
 
 
 def test_head_config_is_silu_full_rotary_whatever_the_target():

@@ -31,6 +31,7 @@ class Family:
     step_loop: bool = False             # forward.py's Llama-shaped loop computes this layer exactly
     grouped_attention: bool = True      # attention.py's kernel computes this attention exactly
     norm_offset: float = 0.0            # the final RMSNorm scales by (offset + weight) (Gemma: 1)
+    model_class: str = "AutoModelForCausalLM"  # transformers' class that loads it (where Auto maps none)
     needs: str = ""                     # what the family needed (README's table)
 
 
@@ -45,6 +46,9 @@ FAMILIES: tuple[Family, ...] = (
            needs="sliding/full layers (two masks), (1 + w) norms, scaled embeddings"),
     Family("gemma3", ("gemma3",), text_config="text_config", decoder="model.language_model",
            norm_offset=1.0, needs="nested text_config (>= 4B), as gemma3_text"),
+    Family("mistral3", ("mistral3",), text_config="text_config", decoder="model.language_model", step_loop=True,
+           model_class="Mistral3ForConditionalGeneration",
+           needs="nested text_config (Mistral-Small-3.x), as mistral"),
     Family("llama4_text", ("llama4_text",), needs="chunked/full layers (two masks), MoE, NoPE layers"),
     Family("llama4", ("llama4",), text_config="text_config",
            needs="nested text_config, as llama4_text"),
@@ -78,6 +82,14 @@ def text_config(config):
     fam = family_of(config)
     inner = _get(config, fam.text_config) if fam.text_config else None
     return config if inner is None else inner
+
+
+def causal_lm_class(config):
+    """The transformers class that loads a target of this config: AutoModelForCausalLM, or the family's
+    own class where transformers' causal-LM mapping has no entry (Mistral-3)."""
+    import transformers
+
+    return getattr(transformers, family_of(config).model_class)
 
 
 def capture_layer_ids(num_layers: int) -> list[int]:
