@@ -23,7 +23,7 @@ import torch
 from eagle3_platform.model.compute import (int4_matmul_rows, kv_cache_dtype, narrow_matmul_rows, resolve_dtype,
                                      wide_matmul_rows)
 from eagle3_platform.model.families import (capture_layer_ids, family_of,  # noqa: F401 (re-exported)
-                                            grouped_attention, text_config)
+                                            grouped_attention, text_config, causal_lm_class)
 from eagle3_platform.store.paths import cache_root  # noqa: F401  (re-exported: callers use target.cache_root)
 from eagle3_platform.store.records import sha256_file
 
@@ -119,7 +119,8 @@ def load_target(path: str | Path, dtype: str = "float32", device: str = "cpu", p
     # codes are read off the checkpoint's own values: a bf16 model's weights are rounded off the grid,
     # so one decoding in bf16 on its codes loads in fp32 and is cast once its linears are packed
     load_dtype = torch.float32 if int4 else getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=load_dtype).to(device).eval()
+    model = causal_lm_class(AutoConfig.from_pretrained(path)).from_pretrained(
+        path, dtype=load_dtype).to(device).eval()
     packed, wide, narrow, int4_linears = 0, 0, 0, 0
     if device == "cpu":
         from eagle3_platform.model.attention import use_grouped_decode
@@ -154,8 +155,11 @@ def load_sharded(path: Path, dtype: str, device_map: str | dict, max_memory: dic
     # where "disk" entries go (a map's own, or what max_memory leaves over): safetensors weights are
     # read in place, other formats are copied there
     folder = Path(offload_folder) if offload_folder else cache_root() / "offload" / path.name
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), device_map=device_map,
-                                                 max_memory=max_memory or None, offload_folder=str(folder)).eval()
+    from transformers import AutoConfig
+
+    model = causal_lm_class(AutoConfig.from_pretrained(path)).from_pretrained(
+        path, dtype=getattr(torch, dtype), device_map=device_map, max_memory=max_memory or None,
+        offload_folder=str(folder)).eval()
     tok = AutoTokenizer.from_pretrained(path)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token

@@ -76,12 +76,12 @@ def _summarise(rows: list[dict]) -> dict:
 def reference_model(target_dir, target):
     """The target as transformers alone loads it (its default attention, plain linears) in the
     engine's dtype; a target held only in memory (tests) is its own reference."""
-    from transformers import AutoModelForCausalLM
+    from eagle3_platform.model.families import causal_lm_class
 
     if target_dir is None:
         return target.model
     dtype = next(target.model.parameters()).dtype
-    return AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
+    return causal_lm_class(target.model.config).from_pretrained(target_dir, dtype=dtype).eval()
 
 
 def reference_greedy(model, ids: list[int], max_new_tokens: int, eos_ids: set[int]) -> list[int]:
