@@ -107,7 +107,7 @@ def load_target(path: str | Path, dtype: str = "float32", device: str = "cpu", p
     the meta['int4_linears'] weights that lie on such a grid (compute.int4_matmul_rows; 0 = never).
     device_map: sharded loading for a target no single device holds (load_sharded; `device` and
     `pack` are then unused)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     setting, dtype = dtype, resolve_dtype(dtype, device)
     path = Path(path)
@@ -150,7 +150,7 @@ def load_sharded(path: Path, dtype: str, device_map: str | dict, max_memory: dic
     "sequential" | {module name: device}; max_memory: {device: "20GiB"}. The embedded fast paths
     (grouped attention, packed linears) are not installed: they assume one CPU-resident model.
     meta['device_map'] records where each module went."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     # where "disk" entries go (a map's own, or what max_memory leaves over): safetensors weights are
     # read in place, other formats are copied there
