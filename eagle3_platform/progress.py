@@ -12,6 +12,7 @@ finds them in its subprocess's output, tests count them). `Ticker` rate-limits a
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import sys
@@ -45,6 +46,21 @@ def _setup() -> None:
 
 
 _setup()
+
+
+@contextlib.contextmanager
+def echo_off():
+    """The lines not printed on stderr by the logger itself while a host shows them already (a Dagster
+    step: its managed python logger and console; a Pipes worker: its Pipes log), so a terminal does
+    not see each line twice."""
+    echo = [h for h in logger.handlers if isinstance(h, _Stderr)]
+    for h in echo:
+        logger.removeHandler(h)
+    try:
+        yield
+    finally:
+        for h in echo:
+            logger.addHandler(h)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from typing import Literal
 from dagster import ConfigurableResource, PipesSubprocessClient
 from pydantic import Field
 
-from eagle3_platform import stage
+from eagle3_platform import progress, stage
 from resources.k8s import K8sConfig, check_paths, pod_spec, worker_command
 from resources.storage import PROJECT_ROOT
 
@@ -37,8 +37,9 @@ class ComputeResource(ConfigurableResource):
         nproc = self.train_procs if request.stage == TRAIN_STAGE else 1
         mode = "pipes" if self.mode == "in_process" and nproc > 1 else self.mode
         context.log.info(f"{request.stage} ({mode}{f', {nproc} ranks' if nproc > 1 else ''}): {request!r}")
-        if mode == "in_process":
-            return stage.run(request)
+        if mode == "in_process":  # the step's log shows the progress lines (resources/dagster.yaml)
+            with progress.echo_off():
+                return stage.run(request)
         payload = stage.to_payload(request)
         if mode == "pipes":
             done = PipesSubprocessClient(cwd=str(PROJECT_ROOT)).run(

@@ -73,7 +73,8 @@ def main() -> int:
         forward = PipesForward(pipes.log)
         progress.logger.addHandler(forward)
         try:
-            summary = stage.run(stage.from_payload(pipes.extras))
+            with progress.echo_off():  # forwarded as Pipes log messages: not also on stderr
+                summary = stage.run(stage.from_payload(pipes.extras))
         except (ValueError, OSError) as e:  # the stage's refusal, one line (as `eagle3` reports it)
             msg = stage.describe(e) if isinstance(e, ValidationError) else str(e)
             pipes.log.error(f"{name} failed: {msg}")

@@ -123,3 +123,22 @@ def test_the_benchmark_asset_logs_its_subprocess_progress_lines(capsys):
     _echo(ctx, progress.format_line("bench", 3, 10, "cells", "eagle3 c=2: requests=5 failures=0") + "\n")
     assert [progress.parse(x).done for x in ctx.log.lines] == [3]  # only the progress line
     assert capsys.readouterr().out.count("[bench]") == 2  # both still on the step's stdout
+
+
+def test_echo_off_keeps_the_lines_off_stderr_for_a_host_that_shows_them_and_restores_the_echo(capsys):
+    """A Dagster step (resources/compute.py) or a Pipes worker shows each line in its own log: the
+    logger's stderr echo is off meanwhile, so a terminal does not see it twice; the line still reaches
+    the logger's other handlers."""
+    seen = []
+    sink = logging.Handler()
+    sink.emit = lambda record: seen.append(record.getMessage())
+    progress.logger.addHandler(sink)
+    try:
+        with progress.echo_off():
+            progress.report("train", 1, 4, "steps")
+        progress.report("train", 2, 4, "steps")
+    finally:
+        progress.logger.removeHandler(sink)
+    err = capsys.readouterr().err
+    assert "[train] 1/4 steps" not in err and err.count("[train] 2/4 steps; 50% done") == 1
+    assert seen == ["[train] 1/4 steps; 25% done", "[train] 2/4 steps; 50% done"]
