@@ -32,6 +32,9 @@ def add_commands(sub) -> None:
                    help="torch CPU threads of every part of the server; 0 = the target's forwards and the "
                         "head's drafting take every core (default: the preset's split)")
     p.add_argument("--dtype", default=None, help="auto | bfloat16 | float32 (default: the preset's)")
+    p.add_argument("--device", default=None,
+                   help="auto | cpu | cuda | cuda:N: where the target, the head and the KV cache live; auto = "
+                        "CUDA where torch sees a GPU (default: the preset's, auto)")
     p.add_argument("--ready-file", default=None, help="write {url, port, pid} here once bound")
     p.set_defaults(func=serve)
 
@@ -53,7 +56,7 @@ def serve_config(a):
     roles = {} if a.threads is None else {"target_threads": a.threads, "draft_threads": a.threads,
                                           "torch_threads": a.threads or None}
     return PRESETS[a.preset].with_(host=a.host, port=a.port, max_tokens=a.max_tokens, max_queue=a.max_queue,
-                                   max_batch=a.max_batch, model_name=a.model_name, dtype=a.dtype,
+                                   max_batch=a.max_batch, model_name=a.model_name, dtype=a.dtype, device=a.device,
                                    allowed_hosts=tuple(a.allowed_host) if a.allowed_host else None, **roles)
 
 
@@ -66,12 +69,14 @@ def serve(a) -> dict:
     cfg = serve_config(a)
     api_key = a.api_key or os.environ.get(API_KEY_ENV)
     check_api_key(api_key)  # before the model loads: a key no client can send is a startup error
+    from eagle3_platform.model.target import pick_device
+    pick_device(cfg.device)  # before the model loads: a device asked for and absent is a startup error
     kernel_caches = bound_kernel_caches(cfg.kernel_cache_entries)  # before any torch op
     if cfg.torch_threads:
         import torch
         torch.set_num_threads(cfg.torch_threads)
     sock = bind_socket(cfg.host, cfg.port)  # before the model loads: a busy port fails at once
-    engine, target, info = build_engine(a.target, a.draft, a.spec, cfg.dtype,
+    engine, target, info = build_engine(a.target, a.draft, a.spec, cfg.dtype, device=cfg.device,
                                         target_threads=cfg.target_threads, draft_threads=cfg.draft_threads)
     context = int(getattr(target.model.config, "max_position_embeddings", 2048))
     name = info["target_id"] + ("-eagle3" if info["draft"] else "")

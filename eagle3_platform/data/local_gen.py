@@ -59,6 +59,7 @@ from eagle3_platform.model.forward import step_forward, supports
 from eagle3_platform.model.kv_cache import GrowingCache, slot_capacity
 from eagle3_platform.model.ragged import row_groups
 from eagle3_platform.model.sampling import greedy
+from eagle3_platform.model.target import on_device
 
 
 ALONE_FROM = 256  # prompt tokens to prefill at which a prompt is prefilled alone (batch 1)
@@ -163,7 +164,13 @@ def decode_stream(model, queue: deque[Request], on_done: Callable[[Request, Gene
     Invariant: a row's tokens do not depend on its companions (positions count its own tokens, the
     mask hides every other slot): exactly per-prompt `generate` in fp32, up to rounding in bf16.
     Once `closed()` (checked before every step), the rows running end where they are (finish_reason
-    "time") and the queue is left to the caller."""
+    "time") and the queue is left to the caller.
+    Tensors made without a device go to the model's (target.on_device: a GPU's, or the CPU's)."""
+    with on_device(next(model.parameters()).device):
+        _decode_loop(model, queue, on_done, stop_ids, pad_id, sampling, max_rows, budget, closed)
+
+
+def _decode_loop(model, queue, on_done, stop_ids, pad_id, sampling, max_rows, budget, closed) -> None:
     rows: _Rows | None = None
     lean = supports(model)  # decode steps through model/forward.step_forward; asked once, not per step
     while True:
@@ -248,7 +255,7 @@ class _Rows:
             parts.append((cache, mask, torch.arange(len(new))))
             reqs += new
             out += [Generated([], "") for _ in new]
-            gens += [torch.Generator().manual_seed(r.seed) for r in new] if sampling.do_sample else []
+            gens += [torch.Generator(device).manual_seed(r.seed) for r in new] if sampling.do_sample else []
             logits.append(last_logits)
             pos.append(mask.sum(-1))  # each row's next position = its real tokens
         if not parts:

@@ -96,7 +96,7 @@ def grouped_attention(query, key, value, mask=None, scaling=None, row_groups=Non
         parts = [(a, b, lo, *(_whole_rows(k, v) if lo == 0 else (k, v))) for a, b, lo, k, v in parts]
     width = max(lo + k.shape[-2] for _, _, lo, k, _ in parts)
     if mask is None and width > S:  # every slot visible, but a whole buffer's spare ones
-        mask = _all_visible(q, S)
+        mask = _all_visible(q, S, query.device)
     bias = None if mask is None else _grouped_bias(mask, r, width)  # [B|1,1,r*q,width]
     if len(parts) == 1:
         _, _, lo, k, v = parts[0]
@@ -115,11 +115,11 @@ def _rows_bias(bias, a: int, b: int, lo: int, key) -> torch.Tensor | None:
 
 
 @functools.lru_cache(maxsize=8)
-def _all_visible(q: int, S: int) -> torch.Tensor:
-    """bool [1,1,q,S], all True; one object per shape, so a forward's layers share its bias (made
-    outside inference mode, so it can be remembered)."""
+def _all_visible(q: int, S: int, device: torch.device) -> torch.Tensor:
+    """bool [1,1,q,S] on `device`, all True; one object per shape, so a forward's layers share its
+    bias (made outside inference mode, so it can be remembered)."""
     with torch.inference_mode(False):
-        return torch.ones(1, 1, q, S, dtype=torch.bool)
+        return torch.ones(1, 1, q, S, dtype=torch.bool, device=device)
 
 
 def _whole_rows(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,7 +214,7 @@ def _grouped_bias(mask: torch.Tensor, r: int, S: int) -> torch.Tensor:
     m = m.repeat(1, 1, r, 1) if m.shape[2] > 1 else m  # row i*q+j is query token j of head i
     if m.dtype == torch.bool:
         # finite, not -inf: a fully masked row (a left-pad query) gets finite garbage, never NaN
-        bias = torch.zeros(m.shape).masked_fill_(~m, torch.finfo(torch.float32).min)
+        bias = torch.zeros(m.shape, device=m.device).masked_fill_(~m, torch.finfo(torch.float32).min)
     else:
         bias = m.float()
     if bias.shape[-1] < S:

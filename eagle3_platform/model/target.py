@@ -10,6 +10,7 @@ The prepared directory holds `eagle3_target.json` (id, weights hash, capture lay
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -20,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from eagle3_platform.model.compute import (int4_matmul_rows, kv_cache_dtype, narrow_matmul_rows, resolve_dtype,
-                                     wide_matmul_rows)
+from eagle3_platform.model.compute import (int4_matmul_rows, kv_cache_dtype, narrow_matmul_rows, resolve_device,
+                                           resolve_dtype, wide_matmul_rows)
 from eagle3_platform.model.families import (capture_layer_ids, family_of,  # noqa: F401 (re-exported)
                                             grouped_attention, text_config, causal_lm_class)
 from eagle3_platform.store.paths import cache_root  # noqa: F401  (re-exported: callers use target.cache_root)
@@ -94,52 +95,111 @@ def identity(path: str | Path) -> dict:
     return {k: meta[k] for k in ("target_id", "weights_hash", "capture_layer_ids")}
 
 
+DEVICES = "auto | cpu | cuda | cuda:N"
+
+
+def pick_device(name: str) -> str:
+    """'auto' | 'cpu' | 'cuda' | 'cuda:N' -> the device a model loads on: 'auto' is CUDA where torch
+    sees a GPU, else the CPU. A device asked for and absent is refused here, at startup: never a
+    silent fallback to the CPU."""
+    dev = resolve_device(name)
+    if dev == "cpu":
+        return dev
+    kind, _, index = dev.partition(":")
+    if kind != "cuda" or (index and not index.isdigit()):
+        raise ValueError(f"device {name!r}: expected {DEVICES}")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"device {name!r}: torch {torch.__version__} sees no CUDA GPU here "
+                           f"(built for CUDA {torch.version.cuda}); use --device cpu or auto")
+    if index and int(index) >= torch.cuda.device_count():
+        raise RuntimeError(f"device {name!r}: torch sees {torch.cuda.device_count()} CUDA GPU(s)")
+    return dev
+
+
+def on_device(device: torch.device | str):
+    """A context in which tensors made without a device go to `device` (torch's default-device
+    context): decoding code allocates where the model is without a device argument at each site. A
+    no-op where that is the thread's default already (the CPU, as a rule), so CPU steps pay nothing."""
+    device = torch.device(device)
+    if device == torch.get_default_device():
+        return contextlib.nullcontext()
+    return device
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """How load_target places and runs a target: the device and dtypes, and which CPU-only kernels
+    it installs (on a GPU none: plain nn.Linear and transformers' own attention, fused there)."""
+    device: str
+    dtype: str  # the parameters' (compute.resolve_dtype)
+    kv_cache_dtype: str  # decode batches' KV cache (compute.kv_cache_dtype)
+    grouped_decode: bool  # model/attention.py's decode kernel
+    pack: bool  # linears on oneDNN's packed layout (packed_linear.py)
+    wide_fp32_rows: int  # compute.wide_matmul_rows (0 = never)
+    rowmajor_rows: int  # compute.narrow_matmul_rows (0 = never)
+    int4_rows: int  # compute.int4_matmul_rows: rows below which 4-bit codes multiply (0 = never)
+
+
+def load_plan(dtype: str, device: str, pack: bool, grouped: bool) -> LoadPlan:
+    """dtype setting ('auto' | 'bfloat16' | 'float32'), a device pick_device returned, whether packing
+    is asked for and the family attends with grouped queries -> the plan. The CPU kernels (packed
+    linears, the int4 codes, grouped decode) only on the CPU."""
+    cpu = device == "cpu"
+    pack = pack and cpu
+    return LoadPlan(device=device, dtype=resolve_dtype(dtype, device), kv_cache_dtype=kv_cache_dtype(dtype, device),
+                    grouped_decode=cpu and grouped, pack=pack,
+                    wide_fp32_rows=wide_matmul_rows(dtype, device) if pack else 0,
+                    rowmajor_rows=narrow_matmul_rows(dtype, device) if pack else 0,
+                    int4_rows=int4_matmul_rows(dtype, device) if pack else 0)
+
+
 def load_target(path: str | Path, dtype: str = "float32", device: str = "cpu", pack: bool = True,
                 device_map: str | dict | None = None, max_memory: dict | None = None,
                 offload_folder: str | Path | None = None) -> Target:
     """dtype: 'auto' | 'bfloat16' | 'float32' (compute.resolve_dtype); recorded in meta['dtype'], and
     the dtype decode batches keep their KV cache in (compute.kv_cache_dtype) in meta['kv_cache_dtype'].
+    device: 'auto' | 'cpu' | 'cuda' | 'cuda:N' (pick_device; meta['device'] the one used).
     pack: on CPU, the linear layers on oneDNN's packed layout (packed_linear.py; False = torch's
     row-major kernels, for A/B); meta['packed_linears'] counts them, and meta['wide_fp32_rows'] says
     from how many rows a bf16 matmul runs on fp32 weights (compute.wide_matmul_rows; 0 = never),
     meta['rowmajor_rows'] below how many rows a matmul runs on the row-major weights
     (compute.narrow_matmul_rows; 0 = never), meta['int4_rows'] below how many on the 4-bit codes of
     the meta['int4_linears'] weights that lie on such a grid (compute.int4_matmul_rows; 0 = never).
+    On a GPU none of these: load_plan.
     device_map: sharded loading for a target no single device holds (load_sharded; `device` and
     `pack` are then unused)."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    setting, dtype = dtype, resolve_dtype(dtype, device)
     path = Path(path)
     if not (path / META_FILE).exists():
         raise FileNotFoundError(f"{path} is not a prepared target; run `eagle3 prepare-target`")
     if device_map:
-        return load_sharded(path, dtype, device_map, max_memory, offload_folder)
-    int4 = int4_matmul_rows(setting, device) if pack and device == "cpu" else 0
+        return load_sharded(path, resolve_dtype(dtype), device_map, max_memory, offload_folder)
+    plan = load_plan(dtype, pick_device(device), pack, grouped_attention(AutoConfig.from_pretrained(path)))
+    int4 = plan.int4_rows
     # codes are read off the checkpoint's own values: a bf16 model's weights are rounded off the grid,
     # so one decoding in bf16 on its codes loads in fp32 and is cast once its linears are packed
-    load_dtype = torch.float32 if int4 else getattr(torch, dtype)
+    load_dtype = torch.float32 if int4 else getattr(torch, plan.dtype)
     model = causal_lm_class(AutoConfig.from_pretrained(path)).from_pretrained(
-        path, dtype=load_dtype).to(device).eval()
-    packed, wide, narrow, int4_linears = 0, 0, 0, 0
-    if device == "cpu":
+        path, dtype=load_dtype).to(plan.device).eval()
+    packed, int4_linears = 0, 0
+    if plan.grouped_decode:  # else transformers' own kernel (GPUs; sinks, soft-capping)
         from eagle3_platform.model.attention import use_grouped_decode
+        use_grouped_decode(model)
+    if plan.pack:
         from eagle3_platform.model.packed_linear import int4_weight_count, pack_linears
-        if grouped_attention(model.config):  # else transformers' own kernel (sinks, soft-capping)
-            use_grouped_decode(model)
-        if pack:
-            wide, narrow = wide_matmul_rows(setting, device), narrow_matmul_rows(setting, device)
-            packed = pack_linears(model, wide, narrow, int4, getattr(torch, dtype))
-            int4_linears = int4_weight_count(model)
-            int4 = int4 if int4_linears else 0
-    if load_dtype != getattr(torch, dtype):
-        _cast_parameters(model, getattr(torch, dtype))
+        packed = pack_linears(model, plan.wide_fp32_rows, plan.rowmajor_rows, int4, getattr(torch, plan.dtype))
+        int4_linears = int4_weight_count(model)
+        int4 = int4 if int4_linears else 0
+    if load_dtype != getattr(torch, plan.dtype):
+        _cast_parameters(model, getattr(torch, plan.dtype))
     tok = AutoTokenizer.from_pretrained(path)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return Target(model=model, tokenizer=tok,
-                  meta={**read_meta(path), "dtype": dtype, "kv_cache_dtype": kv_cache_dtype(setting, device),
-                        "packed_linears": packed, "wide_fp32_rows": wide, "rowmajor_rows": narrow,
+                  meta={**read_meta(path), "device": plan.device, "dtype": plan.dtype,
+                        "kv_cache_dtype": plan.kv_cache_dtype, "packed_linears": packed,
+                        "wide_fp32_rows": plan.wide_fp32_rows, "rowmajor_rows": plan.rowmajor_rows,
                         "int4_rows": int4, "int4_linears": int4_linears})
 
 
@@ -150,7 +210,7 @@ def load_sharded(path: Path, dtype: str, device_map: str | dict, max_memory: dic
     "sequential" | {module name: device}; max_memory: {device: "20GiB"}. The embedded fast paths
     (grouped attention, packed linears) are not installed: they assume one CPU-resident model.
     meta['device_map'] records where each module went."""
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # where "disk" entries go (a map's own, or what max_memory leaves over): safetensors weights are
     # read in place, other formats are copied there

@@ -46,6 +46,7 @@ class ServeConfig:
     # 1.3x faster, on others one is faster): measure with bench_decode.py.
     draft_threads: int | None = None
     dtype: str = "auto"               # compute dtype of target + head (compute.resolve_dtype)
+    device: str = "auto"              # auto | cpu | cuda | cuda:N of target + head + KV cache (target.pick_device)
     # Entries of each of oneDNN's two caches of matmul kernels, both keyed by the input's shape (a
     # packed linear meets a new row count with every prompt chunk length and batch x draft size).
     # At oneDNN's default (1024 each) a server's RSS grows by hundreds of MB before they fill; at

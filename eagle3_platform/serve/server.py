@@ -532,10 +532,11 @@ def build_app(engine, tokenizer, cfg: ServeConfig | None = None, *, model_name: 
 
 def build_engine(target_dir: str | Path, draft_dir: str | Path | None = None, spec: str = "chain",
                  dtype: str = "auto", head_weights: str | None = None, target_threads: int | None = None,
-                 draft_threads: int | None = None, answer_tokens: int | None = None):
+                 draft_threads: int | None = None, answer_tokens: int | None = None, device: str = "cpu"):
     """The real engine from a prepared target (+ optional exported draft); head_weights and
     answer_tokens override the spec preset's (SpecConfig); target_threads, draft_threads: see
-    SpecEngine. Imports torch lazily."""
+    SpecEngine (CPU only); device: 'auto' | 'cpu' | 'cuda' | 'cuda:N' (target.pick_device: one asked
+    for and absent fails here, at startup). Imports torch lazily."""
     from dataclasses import replace
 
     import torch
@@ -545,7 +546,7 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path | None = None, sp
     from eagle3_platform.spec.config import get_preset
     from eagle3_platform.spec.engine import SpecEngine
 
-    target = load_target(target_dir, dtype=dtype)
+    target = load_target(target_dir, dtype=dtype, device=device)
     draft = answers = head_sha256 = None
     if draft_dir is not None:
         from eagle3_platform.draft.export import WEIGHTS_FILE, load_answer_ngrams, load_export
@@ -563,7 +564,8 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path | None = None, sp
             raise ValueError(f"answer_tokens {answer_tokens}: {draft_dir} has no answer n-gram table "
                              "(heads trained before it existed; train the head again)")
     engine = SpecEngine(target, draft, cfg, target_threads, draft_threads, answers)
-    info = {"target_id": target.meta.get("target_id"), "draft": draft is not None, "dtype": target.meta["dtype"],
+    info = {"target_id": target.meta.get("target_id"), "draft": draft is not None,
+            "device": str(engine.device), "dtype": target.meta["dtype"],
             "kv_cache_dtype": str(engine.cache_dtype).removeprefix("torch."),
             "wide_fp32_rows": target.meta.get("wide_fp32_rows", 0),
             "rowmajor_rows": target.meta.get("rowmajor_rows", 0),

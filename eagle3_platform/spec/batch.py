@@ -14,6 +14,7 @@ exact draw from the target, whatever else is in the batch (rows only see their o
 """
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter
 from typing import Sequence
@@ -82,12 +83,23 @@ class Request:
         }
 
 
+def on_engine_device(method):
+    """Runs a Batch method under its engine's on_device: the tensors it makes without a device (the
+    cache's, the drafters', the trees') go to the model's."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self.engine.on_device():
+            return method(self, *args, **kwargs)
+    return run
+
+
 class Batch:
     """Requests of one engine decoded together. Not thread-safe: one thread drives a batch."""
 
     def __init__(self, engine):
         self.engine = engine
-        self.cache = RaggedCache(engine.cache_dtype, attention_layout(engine.model.config))  # per-layer masks
+        with engine.on_device():  # per-layer masks, lengths: on the model's device
+            self.cache = RaggedCache(engine.cache_dtype, attention_layout(engine.model.config))
         self.rows: list[Request] = []  # rows[b] owns cache row b (the cache keeps them longest first)
         self.catch_up_s = 0.0  # of the last step: drafter backlogs appended before drafting
         self.resume_catch_up_s = 0.0  # the part for rows that had drafted before: steps decoded plainly
@@ -95,6 +107,7 @@ class Batch:
         self.failed_prompts: list[Request] = []  # of the last step: riding prompts its forward lost
         self.prompt_error: Exception | None = None
 
+    @on_engine_device
     def open(self, input_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
              stop: Sequence[str] = (), seed: int | None = None) -> Request:
         ids = [int(t) for t in input_ids]
@@ -105,10 +118,11 @@ class Batch:
         e = self.engine
         if temperature < MIN_SAMPLING_TEMPERATURE:
             temperature = 0.0
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        gen = torch.Generator(e.device).manual_seed(seed) if seed is not None else None  # draws where p is
         fin = Finisher(e.target.tokenizer, e.eos_ids, max_new_tokens, stop)
         return Request(ids, fin, e.make_drafter(), temperature, gen)
 
+    @on_engine_device
     @torch.no_grad()
     def prefill(self, r: Request, max_tokens: int | None = PREFILL_CHUNK) -> list[int] | None:
         """Runs the next chunk of r's prompt. None while prompt tokens remain; at the last chunk r
@@ -148,6 +162,7 @@ class Batch:
         r.t_prefill = time.perf_counter() - r.t0
         return r.fin.push([first])
 
+    @on_engine_device
     @torch.no_grad()
     def step(self, max_draft_tokens: int | None = None,
              prompts: Sequence[tuple[Request, int]] = ()) -> list[tuple[Request, list[int]]]:
@@ -211,6 +226,7 @@ class Batch:
         self.step_s = time.perf_counter() - t0 - self.catch_up_s
         return out
 
+    @on_engine_device
     def close(self, r: Request) -> dict:
         """Take r out of the batch (finished or abandoned); -> its stats."""
         if r.running and r in self.rows:

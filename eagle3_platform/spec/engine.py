@@ -15,6 +15,12 @@ chain of small ops, gains or loses from a second thread depending on the CPU (se
 switch the count only around their own work, in the engine's thread: the rest (sampling, bookkeeping, a
 server's other threads) keeps the caller's count, since more threads there contend for the cores (a
 baseline server whose every thread took both cores decoded 1.25x slower).
+
+Device: the target's (load_target's `device`). The head, the answer table and every tensor a step
+makes go there: Batch runs its work under `on_device` (torch's default-device context), so the
+drafter's, the tree's and the ragged cache's allocations follow the model without a device argument
+at each site. Thread counts and the head's CPU kernels (int8, int4 codes, oneDNN packing) are the
+CPU's only: on a GPU the head keeps its trained weights ("native").
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ from eagle3_platform.features.capture import forward_capture
 from eagle3_platform.model.attention import GROUPED_DECODE
 from eagle3_platform.model.compute import int4_probe_rows, threads
 from eagle3_platform.model.forward import mixed_forward, step_forward, supports
+from eagle3_platform.model.target import on_device
 from eagle3_platform.spec.batch import Batch
 from eagle3_platform.spec.config import PRESETS, SpecConfig
 from eagle3_platform.spec.drafter import EagleDrafter
@@ -43,14 +50,17 @@ class SpecEngine:
         """target_threads, draft_threads: torch threads of the target's forwards and of the head's
         drafting (0 = every core; None = the caller's). answers: the lookup branch's second source
         (draft/answer_ngrams.py; used where cfg.lookup_tokens and cfg.answer_tokens are > 0)."""
-        self.target, self.model, self.cfg, self.answers = target, target.model, cfg, answers
-        self.target_threads, self.draft_threads = target_threads, draft_threads
+        self.target, self.model, self.cfg = target, target.model, cfg
+        self.device = next(self.model.parameters()).device
+        cpu = self.device.type == "cpu"
+        self.target_threads, self.draft_threads = (target_threads, draft_threads) if cpu else (None, None)
+        self.answers = answers if answers is None or cpu else answers_on(answers, self.device)
         self.dtype = next(self.model.parameters()).dtype
         cache_dtype = target.meta.get("kv_cache_dtype")  # the batch cache's (load_target decides)
         self.cache_dtype = getattr(torch, cache_dtype) if cache_dtype else self.dtype
         self.draft = draft if cfg.speculative else None
         if isinstance(self.draft, torch.nn.Module):  # the head computes in the target's dtype (bf16 on CPU)
-            self.draft = self.draft.cast_parameters(self.dtype)
+            self.draft = self.draft.cast_parameters(self.dtype).to(self.device)
             self.head_weights = self.resolve_head_weights(cfg.head_weights)
             narrow = target.meta.get("rowmajor_rows", 0)  # row-major weights for few rows, as the target
             if self.head_weights == "int8":  # a copy: engines with other settings may share `draft`
@@ -71,10 +81,20 @@ class SpecEngine:
 
     # ---- public API -------------------------------------------------------------------------------
     def resolve_head_weights(self, setting: str) -> str:
-        """'auto' -> 'int4' where the target decodes on its 4-bit codes (fp32 or bf16), else 'packed'."""
+        """'auto' -> 'int4' where the target decodes on its 4-bit codes (fp32 or bf16), else 'packed';
+        off the CPU 'native' (the others are CPU kernels: asked for there, they are refused)."""
+        if self.device.type != "cpu":
+            if setting not in ("auto", "native"):
+                raise ValueError(f"head_weights {setting!r} runs on CPU kernels only; on {self.device} "
+                                 "use 'native' or 'auto'")
+            return "native"
         if setting != "auto":
             return setting
         return "int4" if self.target.meta.get("int4_rows") else "packed"
+
+    def on_device(self):
+        """A context in which tensors made without a device go to the engine's (target.on_device)."""
+        return on_device(self.device)
 
     def batch(self) -> Batch:
         return Batch(self)
@@ -162,3 +182,9 @@ class SpecEngine:
                                                 self.layer_ids if wants else (), 0, row_groups,
                                                 [(c, c_cache) for c, c_cache, _ in prompts])
         return logits, aux, chunks
+
+
+def answers_on(answers: AnswerNgrams, device: torch.device) -> AnswerNgrams:
+    """The answer n-gram table with its tensors on `device` (where the lookup branch compares them)."""
+    return AnswerNgrams(answers.keys.to(device), answers.tokens.to(device), answers.shares.to(device),
+                        answers.answer_tokens)
