@@ -2,8 +2,9 @@
 
 Each family's real template on the tiny BPE with that family's special tokens (testing/family_templates):
 the masked tokens decode to exactly the assistant turns (with and without reasoning) plus their
-end-of-turn token, nothing of the system or user text, single- and multi-turn; an answer the target
-generated is masked on exactly its generated ids; a template that refuses a conversation rejects that
+end-of-turn token, each once, nothing of the system or user text, single- and multi-turn (a template
+that rewrites earlier turns gives one record per chain, each turn masked where the target saw what it
+was given); an answer the target generated is masked on exactly its generated ids; a template that refuses a conversation rejects that
 record with the template's reason and the partition completes.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 
 from eagle3_platform.data import chat
 from eagle3_platform.data.chat import (TemplateError, encode, end_of_turn, generated_turn, reasoning_markers,
-                                       render, render_prompt, sequence, text_turn)
+                                       render, render_prompt, render_records, sequences, text_turn)
 from eagle3_platform.testing.family_templates import FAMILY_TOKENS, TEMPLATES, family_tokenizer
 
 FAMILIES = sorted(FAMILY_TOKENS)
@@ -27,11 +28,12 @@ MULTI = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER
          {"role": "assistant", "content": "Paris."}, {"role": "user", "content": USER2},
          {"role": "assistant", "content": "The answer is 3."}]
 THOUGHTS = ["The user asks for a capital.", "1 + 2 = 3, step by step."]
-# turns trained in MULTI: a template that rewrites an earlier turn in later prompts trains the last only
-# (Qwen3: the empty <think> block of the answer is gone from the history; GPT-OSS: <|return|> -> <|end|>;
-# Mistral: the system prompt moves to the last user turn)
-MULTI_TRAINED = {"gemma3": [0, 1], "gpt-oss": [1], "llama3": [0, 1], "llama4": [0, 1], "mistral": [1],
-                 "phi4-mini": [0, 1], "qwen2.5": [0, 1], "qwen3": [1], "qwen3-moe": [1]}
+# turns trained in each record of MULTI: a template that rewrites an earlier turn in later prompts starts a
+# record at each such turn (Qwen3: the empty <think> block of the answer is gone from the history;
+# GPT-OSS: <|return|> -> <|end|>; Mistral: the system prompt moves to the last user turn)
+ONE, SPLIT = [[0, 1]], [[0], [1]]
+MULTI_TRAINED = {"gemma3": ONE, "gpt-oss": SPLIT, "llama3": ONE, "llama4": ONE, "mistral": SPLIT,
+                 "phi4-mini": ONE, "qwen2.5": ONE, "qwen3": SPLIT, "qwen3-moe": SPLIT}
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +72,13 @@ def with_thoughts(messages, thoughts=THOUGHTS):
     return out
 
 
-def trained_turns(tok, messages, reasoning="keep") -> list[int]:
+def trained_turns(tok, messages, reasoning="keep") -> list[list[int]]:
     turns = [text_turn(tok, messages[:i], m, reasoning) for i, m in enumerate(messages) if m["role"] == "assistant"]
-    return sequence(tok, turns, messages, reasoning).turns
+    return [seq.turns for seq in sequences(tok, turns, messages, reasoning)]
+
+
+def record_runs(tok, records) -> list[list[str]]:
+    return [runs(tok, r.input_ids, r.loss_mask) for r in records]
 
 
 # ------------------------------------------------------------------------------------------- templates
@@ -116,21 +122,97 @@ def test_single_turn_mask_is_the_answer_plus_eot(family, toks):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_multi_turn_masks_each_trained_turn_and_no_system_or_user_text(family, toks):
+def test_multi_turn_masks_each_turn_once_and_no_system_or_user_text(family, toks):
     tok = toks[family]
-    ids, mask = render(tok, MULTI)
-    trained = trained_turns(tok, MULTI)
-    assert trained == MULTI_TRAINED[family]
+    records = render_records(tok, MULTI)
+    assert trained_turns(tok, MULTI) == [r.turns for r in records] == MULTI_TRAINED[family]
     answers = ["Paris.", "The answer is 3."]
-    assert [plain(r, family) for r in runs(tok, ids, mask)] == [answers[t] + end_of_turn(tok) for t in trained]
-    masked = "".join(runs(tok, ids, mask))
-    for text in (SYSTEM, USER1, USER2):
-        assert text not in masked and text in tok.decode(ids)
-    # the last trained turn sits right after the prompt the target was given for it
-    last = [i for i, m in enumerate(MULTI) if m["role"] == "assistant"][trained[-1]]
-    prompt = render_prompt(tok, MULTI[:last])
-    assert ids[: len(prompt)] == prompt and 1 in mask[len(prompt):]
-    assert trained != [1] or not any(mask[: len(prompt)])  # a rewritten history is context only
+    for rec, got in zip(records, record_runs(tok, records)):
+        assert [plain(r, family) for r in got] == [answers[t] + end_of_turn(tok) for t in rec.turns]
+        for text in (SYSTEM, USER1, USER2):
+            assert text not in "".join(got)
+        assert SYSTEM in tok.decode(rec.input_ids)
+    assert USER2 in tok.decode(records[-1].input_ids)
+    check_as_seen(tok, MULTI, records)
+    if len(records) > 1:  # a conversation that makes several records is refused as one
+        with pytest.raises(TemplateError, match="makes 2 records"):
+            render(tok, MULTI)
+    else:
+        assert render(tok, MULTI) == (records[0].input_ids, records[0].loss_mask)
+
+
+def check_as_seen(tok, messages, records, reasoning="keep") -> None:
+    """Every assistant turn is in exactly one record, right after the very prompt the target was given
+    for it, masked as that turn's own mask says, with only the record's earlier answers trained before
+    it: no record trains a turn on text the target did not see when producing it."""
+    replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    turns = [text_turn(tok, messages[:i], messages[i], reasoning) for i in replies]
+    assert sorted(t for r in records for t in r.turns) == list(range(len(replies)))
+    for rec in records:
+        trained = 0
+        for t in rec.turns:
+            p, a = turns[t].prompt, turns[t].answer
+            assert p == render_prompt(tok, messages[:replies[t]], reasoning) == rec.input_ids[: len(p)]
+            assert sum(rec.loss_mask[: len(p)]) == trained
+            assert rec.input_ids[len(p): len(p) + len(a)] == a and rec.loss_mask[len(p): len(p) + len(a)] == turns[t].mask
+            trained += sum(turns[t].mask)
+        assert sum(rec.loss_mask) == trained
+
+
+THREE = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER1},
+         {"role": "assistant", "content": "Paris."}, {"role": "user", "content": USER2},
+         {"role": "assistant", "content": "The answer is 3."}, {"role": "user", "content": "And 2 and 2?"},
+         {"role": "assistant", "content": "That makes 4."}]
+THREE_ANSWERS = ["Paris.", "The answer is 3.", "That makes 4."]
+THREE_THOUGHTS = THOUGHTS + ["Two and two, four."]
+# rewriting templates, 3 turns: one record per turn, every turn masked once as the target saw it
+THREE_CASES = [("qwen3", "keep", True), ("qwen3", "keep", False), ("qwen3", "drop", False),
+               ("qwen3-moe", "keep", True), ("gpt-oss", "keep", True), ("gpt-oss", "keep", False),
+               ("gpt-oss", "drop", False), ("mistral", "keep", False)]
+
+
+@pytest.mark.parametrize("family,reasoning,thinking", THREE_CASES)
+def test_a_rewriting_template_trains_every_turn_once_each_in_its_own_record(family, reasoning, thinking, toks):
+    tok = toks[family]
+    msgs = with_thoughts(THREE, THREE_THOUGHTS) if thinking else THREE
+    records = render_records(tok, msgs, reasoning)
+    assert [r.turns for r in records] == [[0], [1], [2]]
+    eot = end_of_turn(tok)
+    want = [([thought] if thinking else []) + [answer + eot] for answer, thought in zip(THREE_ANSWERS, THREE_THOUGHTS)]
+    assert [[plain(r, family) for r in got] for got in record_runs(tok, records)] == want
+    # the union of the masks: every assistant turn (+ its end-of-turn) exactly once, nothing else
+    masked = "".join("".join(got) for got in record_runs(tok, records))
+    for text in [SYSTEM, USER1, USER2, "And 2 and 2?"]:
+        assert text not in masked
+    for answer in THREE_ANSWERS + (THREE_THOUGHTS if thinking else []):
+        assert masked.count(answer) == 1
+    assert masked.count(eot) == 3
+    check_as_seen(tok, msgs, records, reasoning)
+    if thinking:  # a later record holds the earlier turns as the template rewrote them: no thinking
+        assert THOUGHTS[0] not in tok.decode(records[2].input_ids)
+    if family == "mistral":  # the system prompt sits in each record's last user turn, as each prompt had it
+        for rec, user in zip(records, [USER1, USER2, "And 2 and 2?"]):
+            text = tok.decode(rec.input_ids)
+            assert text.count(SYSTEM) == 1 and text.index(SYSTEM) < text.index(user)
+
+
+@pytest.mark.parametrize("family", sorted(set(FAMILIES) - {"qwen3", "qwen3-moe", "gpt-oss", "mistral"}))
+def test_a_prefix_stable_template_keeps_one_record_of_the_whole_render(family, toks):
+    tok = toks[family]
+    (rec,) = render_records(tok, THREE)
+    assert rec.turns == [0, 1, 2]
+    assert rec.input_ids == encode(tok, chat.apply_template(tok, THREE))  # exactly the template's render
+    assert [plain(r, family) for r in runs(tok, rec.input_ids, rec.loss_mask)] == [
+        a + end_of_turn(tok) for a in THREE_ANSWERS]
+    check_as_seen(tok, THREE, [rec])
+
+
+def test_mistral_without_a_system_prompt_keeps_one_record(toks):
+    tok = toks["mistral"]
+    msgs = THREE[1:]
+    (rec,) = render_records(tok, msgs)
+    assert rec.turns == [0, 1, 2]
+    check_as_seen(tok, msgs, [rec])
 
 
 @pytest.mark.parametrize("family", ["gemma3", "llama3"])
@@ -145,13 +227,17 @@ def test_a_template_that_trims_keeps_the_mask_on_the_stored_answer(family, toks)
 def test_reasoning_kept_is_trained_and_the_templates_headers_are_not(family, toks):
     tok = toks[family]
     msgs = with_thoughts(MULTI)
-    ids, mask = render(tok, msgs, "keep")
-    # the last turn (the earlier one is rewritten without its thinking in later prompts): its thought,
+    records = render_records(tok, msgs, "keep")
+    # one record per turn (later prompts rewrite the earlier answer without its thinking): its thought,
     # then its answer + end-of-turn; the template's opener/separator around them stay unmasked
-    assert runs(tok, ids, mask) == [THOUGHTS[1], "The answer is 3." + end_of_turn(tok)]
+    assert record_runs(tok, records) == [[THOUGHTS[0], "Paris." + end_of_turn(tok)],
+                                         [THOUGHTS[1], "The answer is 3." + end_of_turn(tok)]]
     m = reasoning_markers(tok)
-    assert m.opener in unmasked(tok, ids, mask) and m.separator in unmasked(tok, ids, mask)
-    assert THOUGHTS[0] not in tok.decode(ids)  # the template drops earlier thinking
+    for rec in records:
+        assert m.opener in unmasked(tok, rec.input_ids, rec.loss_mask)
+        assert m.separator in unmasked(tok, rec.input_ids, rec.loss_mask)
+    assert THOUGHTS[0] not in tok.decode(records[1].input_ids)  # the template drops earlier thinking
+    check_as_seen(tok, msgs, records)
 
 
 @pytest.mark.parametrize("family", REASONING_FAMILIES)
@@ -210,7 +296,7 @@ def test_generated_answer_is_masked_on_exactly_its_ids(family, toks):
         turn, thought, content = generated_turn(tok, prompt, ids, True)
         assert (turn.prompt, turn.answer, turn.mask) == (prompt, ids, [1] * len(ids))
         assert (thought, content) == ("", text)
-        seq = sequence(tok, [turn])
+        (seq,) = sequences(tok, [turn])
         assert seq.input_ids[: len(prompt) + len(ids)] == prompt + ids
         assert runs(tok, seq.input_ids, seq.loss_mask) == [text + end_of_turn(tok)]
     cut = generate(tok, "Par", stop=False)  # cut by max_new_tokens: no end-of-turn was generated
@@ -228,14 +314,17 @@ def test_generated_multi_turn_continues_where_the_template_keeps_the_history(fam
         turn, _, content = generated_turn(tok, prompt, generate(tok, answer), True)
         turns.append(turn)
         history.append({"role": "assistant", "content": content})
-    seq = sequence(tok, turns, history)
+    records = sequences(tok, turns, history)
     # GPT-OSS ends the history's answers with <|end|>, not the generated <|return|>; Mistral writes a space
     # before each answer of the history, which a SentencePiece target generates ("▁Paris") but the
     # byte-level stand-in here does not; Qwen3 keeps an answer without thinking as it was generated
-    want = {"gpt-oss": [1], "mistral": [1]}.get(family, [0, 1])
-    assert seq.turns == want
+    want = {"gpt-oss": SPLIT, "mistral": SPLIT}.get(family, ONE)
+    assert [r.turns for r in records] == want
     answers = ["Paris.", "The answer is 3."]
-    assert runs(tok, seq.input_ids, seq.loss_mask) == [answers[t] + end_of_turn(tok) for t in want]
+    assert record_runs(tok, records) == [[answers[t] + end_of_turn(tok) for t in ts] for ts in want]
+    for rec in records:  # each record starts with its first turn's prompt and holds its exact ids
+        first = turns[rec.turns[0]]
+        assert rec.input_ids[: len(first.prompt) + len(first.answer)] == first.prompt + first.answer
 
 
 GENERATED_THINKING = {
@@ -260,9 +349,9 @@ def test_generated_thinking_kept_is_trained_whole(family, toks):
     assert (thought, content) == (THOUGHTS[1], "The answer is 3.")
 
 
-def test_generated_qwen3_thinking_is_trained_on_the_last_turn_only(toks):
+def test_generated_qwen3_thinking_is_trained_once_per_turn_in_its_own_record(toks):
     """Qwen3's template drops an earlier turn's thinking from later prompts: that turn, as generated,
-    is not what the target saw next, so the record is the last turn's view."""
+    is not what the target saw next, so each turn is its own record, its thinking trained there."""
     tok = toks["qwen3"]
     history, turns = [], []
     for user in (USER1, USER2):
@@ -271,10 +360,12 @@ def test_generated_qwen3_thinking_is_trained_on_the_last_turn_only(toks):
                                                 generate(tok, GENERATED_THINKING["qwen3"]), True)
         turns.append(turn)
         history.append({"role": "assistant", "content": content, "reasoning_content": thought})
-    seq = sequence(tok, turns, history)
-    assert seq.turns == [1]
-    assert runs(tok, seq.input_ids, seq.loss_mask) == [GENERATED_THINKING["qwen3"] + "<|im_end|>"]
-    assert tok.decode(seq.input_ids).count("step by step") == 1
+    records = sequences(tok, turns, history)
+    assert [r.turns for r in records] == SPLIT
+    for rec, turn in zip(records, turns):
+        assert runs(tok, rec.input_ids, rec.loss_mask) == [GENERATED_THINKING["qwen3"] + "<|im_end|>"]
+        assert rec.input_ids[: len(turn.prompt) + len(turn.answer)] == turn.prompt + turn.answer
+        assert tok.decode(rec.input_ids).count("step by step") == 1
 
 
 @pytest.mark.parametrize("family", REASONING_FAMILIES)
@@ -282,7 +373,7 @@ def test_generated_thinking_dropped_is_cut_and_headers_are_not_trained(family, t
     tok = toks[family]
     _, turn, thought, content = thinking_answer(tok, family, "drop")
     assert (thought, content) == ("", "The answer is 3.")
-    seq = sequence(tok, [turn])
+    (seq,) = sequences(tok, [turn])
     assert runs(tok, seq.input_ids, seq.loss_mask) == ["The answer is 3." + end_of_turn(tok)]
     assert "step by step" not in tok.decode(seq.input_ids)
     header = reasoning_markers(tok).plain_header  # GPT-OSS's <|channel|>final<|message|>, Qwen3's none

@@ -5,12 +5,13 @@ Each assistant turn is trained as the target saw it when it produced that turn:
     prompt_i = template(messages[:i], add_generation_prompt=True)    # what the target was asked
     answer_i = the tokens it generated, its end-of-turn token included  # what it answered
 
-`sequence` joins the turns into one record: turn i+1 continues the record when its prompt starts with
-turn i's prompt + answer token for token (ChatML, Llama-3, Gemma-3: every turn is trained). A template
-that rewrites earlier turns (Qwen3 drops their reasoning, GPT-OSS ends them with `<|end|>` instead of
-`<|return|>`, Mistral moves the system prompt to the last user turn) starts a new record there: the
-record is then the last such chain, its earlier turns context only (`Sequence.turns` names the turns
-in the mask), never text the target did not see at that point.
+`sequences` joins the turns into records, one per chain: turn i+1 continues turn i's record when its
+prompt starts with turn i's prompt + answer token for token (ChatML, Llama-3, Gemma-3: one record, the
+whole conversation). A template that rewrites earlier turns (Qwen3 drops their reasoning, GPT-OSS ends
+them with `<|end|>` instead of `<|return|>`, Mistral moves the system prompt to the last user turn)
+starts a new record there, from that turn's own prompt. So every assistant turn is masked exactly once,
+in the record that holds what the target saw when it produced it (`Sequence.turns` names the turns in
+each record's mask), and no record holds text the target did not see at that point.
 
 Answer tokens come from the generator itself (the local back end: its exact ids, all trained) or,
 for text answers (an endpoint, `render`), from the template: the template's own assistant mask where it
@@ -60,6 +61,8 @@ class Turn:
 
 @dataclass(frozen=True)
 class Sequence:
+    """One training record: its ids, the mask over them, and which assistant turns the mask holds."""
+
     input_ids: list[int]
     loss_mask: list[int]
     turns: list[int]  # assistant turns (0-based) whose answers are in the mask
@@ -341,39 +344,50 @@ def _generation_mask_turn(tokenizer, before, answer: dict, prompt: list[int], re
 
 # ------------------------------------------------------------------------------------------ records
 
-def sequence(tokenizer, turns: list[Turn], messages=None, reasoning: str = "keep") -> Sequence:
-    """Joins the turns into one record (see the module docstring). `messages`: the whole conversation;
-    where the record holds every turn and the template's full render extends it (a trailing newline
-    after the last end-of-turn), that tail is appended untrained, so a prefix-stable template's record
-    is exactly the template's render."""
-    ids: list[int] = []
-    mask: list[int] = []
-    kept: list[int] = []
+def sequences(tokenizer, turns: list[Turn], messages=None, reasoning: str = "keep") -> list[Sequence]:
+    """The turns as records, one per chain (see the module docstring): a record is its first turn's
+    prompt, then each turn's answer (masked as the Turn says) and the next turn's new prompt tokens
+    (unmasked). `messages`: the whole conversation; where the template's full render extends the last
+    record (a trailing newline after the last end-of-turn), that tail is appended untrained, so a
+    prefix-stable template's one record is exactly the template's render."""
+    chains: list[tuple[list[int], list[int], list[int]]] = []  # (ids, mask, turns) per record
     for k, t in enumerate(turns):
-        if t.prompt[: len(ids)] != ids:  # the template rewrote an earlier turn: start over from here
-            ids, mask, kept = [], [], []
-        mask += [0] * (len(t.prompt) - len(ids))
-        ids = list(t.prompt) + list(t.answer)
-        mask += list(t.mask)
+        if not chains or t.prompt[: len(chains[-1][0])] != chains[-1][0]:  # a rewritten history
+            chains.append(([], [], []))
+        ids, mask, kept = chains[-1]
+        # invariant: ids is a prefix of t.prompt, so the record holds exactly what turn k was given
+        mask += [0] * (len(t.prompt) - len(ids)) + list(t.mask)
+        ids[:] = list(t.prompt) + list(t.answer)
         kept.append(k)
-    if messages is not None and len(kept) == len(turns):
+    chains = chains or [([], [], [])]  # no assistant turn: one record, nothing trained
+    if messages is not None:
+        ids, mask, _ = chains[-1]
         try:
             full = encode(tokenizer, apply_template(tokenizer, messages, False, reasoning))
         except template_errors():
             full = ids
         if full[: len(ids)] == ids:
             mask += [0] * (len(full) - len(ids))
-            ids = full
-    return Sequence(ids, mask, kept)
+            ids[:] = full
+    return [Sequence(ids, mask, kept) for ids, mask, kept in chains]
+
+
+def render_records(tokenizer, messages, reasoning: str = "keep") -> list[Sequence]:
+    """THE loss-mask function for a text conversation: its records (one, unless the template rewrites
+    earlier turns), each assistant turn masked as its text would have been produced (text_turn)."""
+    msgs = _msgs(messages)
+    turns = [text_turn(tokenizer, msgs[:i], m, reasoning) for i, m in enumerate(msgs) if m["role"] == "assistant"]
+    return sequences(tokenizer, turns, msgs, reasoning)
 
 
 def render(tokenizer, messages, reasoning: str = "keep") -> tuple[list[int], list[int]]:
-    """THE loss-mask function for a text conversation: (input_ids, loss_mask), each assistant turn
-    masked as its text would have been produced (text_turn), the turns joined by `sequence`."""
-    msgs = _msgs(messages)
-    turns = [text_turn(tokenizer, msgs[:i], m, reasoning) for i, m in enumerate(msgs) if m["role"] == "assistant"]
-    seq = sequence(tokenizer, turns, msgs, reasoning)
-    return seq.input_ids, seq.loss_mask
+    """(input_ids, loss_mask) of a conversation that makes one record (render_records); one the template
+    rewrites into several is refused, never cut to one of them (which would leave turns untrained)."""
+    recs = render_records(tokenizer, messages, reasoning)
+    if len(recs) != 1:
+        raise TemplateError(f"the template rewrites earlier turns: this conversation makes {len(recs)} "
+                            "records (render_records)")
+    return recs[0].input_ids, recs[0].loss_mask
 
 
 def _token_cut(tokenizer, text: str, ids: list[int], char_pos: int) -> int:
