@@ -7,15 +7,18 @@ turns < k. Two back ends share everything else (budgets, records, masks, scannin
   next turn);
 - endpoint: any OpenAI-compatible `/v1/chat/completions` with bounded concurrency and retries.
 Either way each turn is recorded as the target saw it (its prompt ids + its answer: the generated ids
-locally, the template's render of the reply for an endpoint) and `chat.sequence` makes the record's
-`input_ids`/`loss_mask`. A conversation the template cannot render or mask (a jinja error, a token across
+locally, the template's render of the reply for an endpoint) and `chat.sequences` makes the records'
+`input_ids`/`loss_mask`: one record, or, where the template rewrites earlier turns, one per chain of
+turns, each under `<id>#<k>` with `generation.conversation_id` and `generation.chains` (every turn is
+trained once, as the target saw it). A conversation the template cannot render or mask (a jinja error, a token across
 a turn boundary) is rejected with its reason (`template:...`, `bad:token_boundary`); the run goes on.
 Reasoning (RegenConfig.reasoning): keep trains the thinking the target emits, drop asks the template
 not to think and trains the answers without it.
 
-Accounting: every input record ends as exactly one ConversationRecord (out) or Rejection (rejected);
-`read == written + rejected`. Resume: both files are fsynced JSONL appends; a rerun skips ids already in
-either, but only when the records there were made by this run's target (id, weights, template) with its
+Accounting: every input record ends as exactly one conversation (its records in out) or Rejection
+(rejected); `read == written + rejected`, `records` counts the rows of out. Resume: both files are
+fsynced JSONL appends; a rerun skips conversations already in either (one killed between its records
+is dropped and asked again whole), but only when the records there were made by this run's target (id, weights, template) with its
 generation settings (before the first record, the key the run left beside them, `.key.json`), else it
 refuses (`--restart` discards the old output; `replace_stale`, the assets' staging, discards only such
 output, named in the summary). Input lines that cannot be
@@ -49,7 +52,7 @@ from pathlib import Path
 from typing import Callable
 
 from eagle3_platform.data.chat import (REASONING, Turn, encode, eos_token_ids, generated_turn, render_prompt,
-                                       sequence, split_answer, template_errors, template_hash,
+                                       sequences, split_answer, template_errors, template_hash,
                                        template_reason, text_turn, trailer_length)
 from eagle3_platform.data.endpoint import ChatClient, EndpointRequestError, check_served, split_endpoints, spread
 from eagle3_platform.progress import report as report_progress
@@ -95,6 +98,7 @@ class RegenConfig:
     # setting, so lifting the budget to take up what it deferred keeps the plan of the records written.
     random_order: bool = False
     dtype: str = "auto"  # local compute dtype: auto = bf16 where the hardware has it (model/compute.py)
+    device: str = "auto"  # local: auto | cpu | cuda | cuda:N (target.pick_device: auto = CUDA where torch sees one)
     torch_threads: int = 0  # local: 0 = all cores (the step runs alone); >0 pins (a shared box)
     # local multi-turn: keep each conversation's KV cache between turns (False re-prefills the whole
     # history every turn: same answers up to rounding, for benchmarks)
@@ -269,7 +273,7 @@ def prompt_sha256(rec: PromptRecord) -> str:
 def check_output_prompts(out_path: Path, rejected_path: Path, in_path, prompts: Prompts) -> None:
     """Refuses an output to resume that holds ids the input does not, or records made from other prompts
     than the input now holds under their ids (e.g. redacted since: the old answers must not be kept)."""
-    done = {r["id"] for path in (out_path, rejected_path) if path.exists()
+    done = {conversation_id(r) for path in (out_path, rejected_path) if path.exists()
             for r in read_jsonl(path, tolerate_torn_tail=True)}
     foreign = done - prompts.ids()
     if foreign:
@@ -286,38 +290,78 @@ def changed_prompts(out_path: Path, convos: list[Convo]) -> int:
     input does not hold, and records from before prompt hashes were written, are not counted)."""
     now = {c.rec.id: prompt_sha256(c.rec) for c in convos}
     return sum(1 for row in read_jsonl(out_path, tolerate_torn_tail=True)
-               if (made := (row.get("generation") or {}).get("prompt_sha256")) and row.get("id") in now
-               and now[row["id"]] != made)
+               if (made := (row.get("generation") or {}).get("prompt_sha256")) and conversation_id(row) in now
+               and now[conversation_id(row)] != made)
 
 
-def finalize(c: Convo, tok, scanner, meta: dict, gen: dict) -> ConversationRecord | Rejection:
-    """The conversation's one output row: a record with ids + mask, or a rejection with a reason (a
-    template that cannot render or mask it included: `template:...`, `bad:token_boundary`)."""
+def conversation_id(row: dict) -> str | None:
+    """The input record a written row was made from: its own id, or, for one of the records of a
+    conversation the template splits (chat.sequences), `generation.conversation_id`. Rejections carry
+    the input's id."""
+    return (row.get("generation") or {}).get("conversation_id") or row.get("id")
+
+
+def chain_id(conversation: str, k: int) -> str:
+    """The id of a conversation's k-th record where it makes more than one (one record keeps the id)."""
+    return f"{conversation}#{k}"
+
+
+def written_conversations(out_path: Path) -> dict[str, list[dict]]:
+    """out_path's whole conversations: id -> its records in file order. One a killed run wrote only some
+    records of (fewer than its `generation.chains`) is left out: drop_partial removes it."""
+    groups: dict[str, list[dict]] = {}
+    if out_path.exists():
+        for row in read_jsonl(out_path, tolerate_torn_tail=True):
+            groups.setdefault(conversation_id(row), []).append(row)
+    return {i: rows for i, rows in groups.items()
+            if len(rows) == int((rows[0].get("generation") or {}).get("chains", 1))}
+
+
+def drop_partial(out_path: Path) -> int:
+    """Removes the records of conversations out_path holds only in part (a run killed between them), so
+    a resume asks them again whole -> rows removed."""
+    if not out_path.exists():
+        return 0
+    whole = written_conversations(out_path)
+    return drop_jsonl_rows(out_path, lambda r: conversation_id(r) not in whole)
+
+
+def finalize(c: Convo, tok, scanner, meta: dict, gen: dict, taken: frozenset[str] | set[str] = frozenset()
+             ) -> list[ConversationRecord] | Rejection:
+    """The conversation's output rows: its records with ids + masks (one per chain, chat.sequences), or
+    a rejection with a reason (a template that cannot render or mask it included: `template:...`,
+    `bad:token_boundary`; `dup:chain_id` where a record's id would be another input's, in `taken`)."""
     answers = [m["content"] for m in c.history if m["role"] == "assistant"] + [t for t in c.thoughts if t]
     reason = c.reject or scan_reason(scanner, answers, _allowed_entities(c.rec.source))
     if reason is None:
         try:
-            seq = record_sequence(c, tok, gen.get("reasoning", "keep"))
+            seqs = record_sequences(c, tok, gen.get("reasoning", "keep"))
         except template_errors() as e:
             reason = template_reason(e)
+    if reason is None and len(seqs) > 1 and any(chain_id(c.rec.id, k) in taken for k in range(len(seqs))):
+        reason = "dup:chain_id"
     if reason is not None:
         return Rejection(id=c.rec.id, workload=c.rec.workload, source=c.rec.source, stage=STAGE, reason=reason)
     generation = {**gen, "finish_reasons": c.finish, "finish_reason": c.finish[-1],
                   "new_tokens": c.new_tokens, "dropped_turns": c.dropped_turns, "cut_by_time": c.cut_by_time,
-                  "prompt_sha256": prompt_sha256(c.rec), "trained_turns": seq.turns}
+                  "prompt_sha256": prompt_sha256(c.rec)}
     messages = [{"role": m["role"], "content": m["content"]} for m in c.history]
-    return ConversationRecord(**c.rec.model_dump(exclude={"messages"}), messages=messages,
-                              input_ids=seq.input_ids, loss_mask=seq.loss_mask, template_hash=template_hash(tok),
-                              target_id=meta["target_id"], generation=generation)
+    fields = c.rec.model_dump(exclude={"messages", "id"})
+    split = {"conversation_id": c.rec.id, "chains": len(seqs)} if len(seqs) > 1 else {}
+    return [ConversationRecord(**fields, id=chain_id(c.rec.id, k) if split else c.rec.id, messages=messages,
+                               input_ids=seq.input_ids, loss_mask=seq.loss_mask, template_hash=template_hash(tok),
+                               target_id=meta["target_id"],
+                               generation={**generation, "trained_turns": seq.turns, **split})
+            for k, seq in enumerate(seqs)]
 
 
-def record_sequence(c: Convo, tok, reasoning: str):
+def record_sequences(c: Convo, tok, reasoning: str):
     """Each answered turn as the target produced it (its exact ids, or the template's render of a text
-    reply), joined into the record (chat.sequence: trained_turns names the turns in the mask)."""
+    reply), joined into records (chat.sequences: trained_turns names each record's turns in its mask)."""
     replies = [m for m in c.history if m["role"] == "assistant"]
     turns = [made if made is not None else text_turn(tok, asked, reply, reasoning)
              for asked, made, reply in zip(c.asked, c.made, replies)]
-    return sequence(tok, turns, c.history, reasoning)
+    return sequences(tok, turns, c.history, reasoning)
 
 
 class Progress:
@@ -439,23 +483,25 @@ def restore_cut(out_path: Path, rejected_path: Path) -> int:
     stash = cut_stash_path(out_path)
     if not stash.exists():
         return 0
-    old = {r["id"]: r for r in read_jsonl(stash)}
-    new = {r["id"]: r for r in read_jsonl(out_path, tolerate_torn_tail=True) if r["id"] in old} \
-        if out_path.exists() else {}
+    old: dict[str, list[dict]] = {}  # conversation -> its stashed records
+    for r in read_jsonl(stash):
+        old.setdefault(conversation_id(r), []).append(r)
+    # a retry written only in part (killed between its records) counts as never reached
+    new = {i: rows[0] for i, rows in written_conversations(out_path).items() if i in old}
     verdict = {r["id"]: r.get("reason") for r in read_jsonl(rejected_path, tolerate_torn_tail=True)
                if r.get("id") in old} if rejected_path.exists() else {}
-    back = {i for i, row in old.items()
-            if (i in new and cut_by_time(new[i]) and _answered(new[i]) < _answered(row))
+    back = {i for i, rows in old.items()
+            if (i in new and cut_by_time(new[i]) and _answered(new[i]) < _answered(rows[0]))
             or (i not in new and verdict.get(i) in (None, DEFERRED))}
     # the retry's worse outcome goes first, so a kill in between never leaves an id in both files
-    if any(i in new for i in back):
-        drop_jsonl_rows(out_path, lambda r: r["id"] in back)
+    if back and out_path.exists():
+        drop_jsonl_rows(out_path, lambda r: conversation_id(r) in back)
     if any(i in verdict for i in back):
         drop_jsonl_rows(rejected_path, lambda r: r.get("id") in back)
     if back:
         with JsonlAppender(out_path) as out:
-            for i, row in old.items():  # in the output's old order
-                if i in back:
+            for i, rows in old.items():  # in the output's old order
+                for row in rows if i in back else ():
                     out.append(row)
     stash.unlink()
     return len(back)
@@ -491,6 +537,7 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
     Nothing written (every record rejected, or an empty input) is a failed stage: ValueError.
     """
     from eagle3_platform.model.compute import int4_matmul_rows, resolve_dtype
+    from eagle3_platform.model.target import pick_device
     from eagle3_platform.model.target import read_meta
     from eagle3_platform.store.checks import distinct_paths
 
@@ -508,9 +555,12 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
         scanner = get_scanner()
     # with the rest: the resume key. The dtype resolved ('auto' may mean bf16 here, fp32 elsewhere, and
     # fp32 with narrow matmuls on a 4-bit target's codes); an endpoint's dtype is the server's business.
+    device = None if endpoint else pick_device(cfg.device)  # one asked for and absent: refused here
     gen = {"mode": "endpoint" if endpoint else "local", **_settings(cfg), "weights_hash": meta.get("weights_hash", ""),
-           "dtype": None if endpoint else resolve_dtype(cfg.dtype)}
-    if not endpoint and cfg.packed_linears and (int4_rows := int4_matmul_rows(cfg.dtype)):
+           "dtype": None if endpoint else resolve_dtype(cfg.dtype, device)}
+    if device not in (None, "cpu"):
+        gen["device"] = device.split(":")[0]  # only off the CPU: older outputs keep their key
+    if not endpoint and cfg.packed_linears and (int4_rows := int4_matmul_rows(cfg.dtype, device)):
         gen["int4_rows"] = int4_rows  # only where used: older outputs keep their key
     if cfg.reasoning != "keep":
         gen["reasoning"] = cfg.reasoning  # only where not the default: older outputs keep their key
@@ -529,6 +579,7 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
         if continue_from is not None:
             continued = take_published(continue_from, out_path, rejected_path, key, prompts)
     check_output_prompts(out_path, rejected_path, in_path, prompts)  # before cut records are stashed
+    drop_partial(out_path)  # a conversation killed between its records is asked again whole
     clock = TimeBudget(cfg.time_budget_s, budget_path(out_path))
     retried = recut = 0
     if not clock.over():  # budget left: ask again what an earlier, smaller budget deferred or cut
@@ -537,19 +588,22 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
     pool: dict = {}
     try:
         with JsonlAppender(out_path) as out, JsonlAppender(rejected_path) as rej:
-            done = out.done_ids() | rej.done_ids()
+            done = set(written_conversations(out_path)) | rej.done_ids()
             if continued is not None and not continued.startswith("no"):  # before any new row: every resume
                 write_json_atomic(settled_path(out_path), {"ids": sorted(done)})  # plans the same windows
             settled = read_settled(out_path)
             for r in prompts.rejected:  # rejected while reading: deterministic, so a resume skips them by id
                 if r.id not in done:
                     rej.append(r)
-            convos = prompts.convos
+            convos, taken = prompts.convos, prompts.ids()
             progress = Progress(prompts.read, len(done), cfg.progress_every_s)
 
             def emit(c: Convo) -> None:
-                row = finalize(c, tok, scanner or None, meta, gen)
-                (out if isinstance(row, ConversationRecord) else rej).append(row)
+                rows = finalize(c, tok, scanner or None, meta, gen, taken)
+                for row in rows if isinstance(rows, list) else ():
+                    out.append(row)
+                if isinstance(rows, Rejection):
+                    rej.append(rows)
                 progress.add(1, sum(c.new_tokens))
                 clock.save()
 
@@ -572,6 +626,8 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
         summary.update(deferred_retried=retried, cut_retried=recut, cut_restored=restored)
     if pool:
         summary.update(endpoints=pool, endpoint_retries=sum(p["retries"] for p in pool.values()))
+    if not endpoint:
+        summary.update(device=device, dtype=gen["dtype"])
     if continued is not None:
         summary["continued_published"] = continued
     if stale:
@@ -644,7 +700,7 @@ def copy_rows(src: Path, dst: Path, ids: set[str]) -> int:
     """Copies src to dst atomically, without the rows whose id is not in `ids` (lines kept byte for
     byte) -> rows left out."""
     atomic_write(dst, lambda tmp: shutil.copyfile(src, tmp))
-    return drop_jsonl_rows(dst, lambda row: row.get("id") not in ids)
+    return drop_jsonl_rows(dst, lambda row: conversation_id(row) not in ids)
 
 
 def settled_path(out_path: Path) -> Path:
@@ -810,7 +866,7 @@ def run_local(target_dir, convos: list[Convo], turns: Turns, cfg: RegenConfig, d
             continue
         if target is None:
             set_threads(cfg.torch_threads)
-            target = load_target(target_dir, dtype=cfg.dtype, pack=cfg.packed_linears)
+            target = load_target(target_dir, dtype=cfg.dtype, device=cfg.device, pack=cfg.packed_linears)
             budget = min(cfg.batch_tokens, kv_token_budget(target.model))
         decode_conversations(target.model, window, turns, cfg, budget, emit_new, clock.over)
 
@@ -875,7 +931,11 @@ def kv_token_budget(model, fraction: float = 0.25) -> int:
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     itemsize = next(model.parameters()).element_size()
     per_token = 2 * c.num_hidden_layers * kv_heads * head_dim * itemsize  # K and V of every layer
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    import torch
+
+    dev = next(model.parameters()).device  # a GPU's cache lives in its memory
+    ram = (torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda"
+           else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     return max(1, int(ram * fraction) // per_token)
 
 
@@ -941,16 +1001,20 @@ def decode_conversations(model, convos: list[Convo], turns: Turns, cfg: RegenCon
 
 def summarize(prompts: Prompts, out_path: Path, rejected_path: Path, resumed: int, progress: Progress,
               elapsed: float, meta: dict, tok) -> dict:
-    written = [r["id"] for r in read_jsonl(out_path)]
+    records = [r["id"] for r in read_jsonl(out_path)]
+    convos = written_conversations(out_path)  # whole conversations only: a part is left out
+    written, whole = list(convos), sum(len(rows) for rows in convos.values())
     rejections = list(read_jsonl(rejected_path))
     ids = written + [r["id"] for r in rejections]
-    if len(ids) != len(set(ids)) or len(ids) != prompts.read:
-        raise RuntimeError(f"accounting broken: read {prompts.read}, written {len(written)}, "
+    if (len(ids) != len(set(ids)) or len(ids) != prompts.read or len(set(records)) != len(records)
+            or len(records) != whole):
+        raise RuntimeError(f"accounting broken: read {prompts.read}, written {len(written)} "
+                           f"({len(records)} records, {whole} in whole conversations), "
                            f"rejected {len(rejections)}, distinct {len(set(ids))}")
     by_reason: dict[str, int] = {}
     for r in rejections:
         by_reason[r["reason"]] = by_reason.get(r["reason"], 0) + 1
-    return {"read": prompts.read, "written": len(written), "rejected": len(rejections),
+    return {"read": prompts.read, "written": len(written), "records": len(records), "rejected": len(rejections),
             "by_reason": dict(sorted(by_reason.items())), "ignored_keys": ignored_summary(prompts.ignored),
             "resumed": resumed, "new_tokens": progress.tokens, "tok_per_s": round(progress.tok_per_s(), 2),
             "elapsed_s": round(elapsed, 2), "out": str(out_path), "rejected_path": str(rejected_path),
