@@ -21,6 +21,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                         "(devices: GPU index, cpu, disk)")
     p.add_argument("--max-memory", default=None, help='with --device-map: JSON {device: size}, e.g. {"0": "70GiB"}')
     p.add_argument("--offload-folder", default=None, help="with --device-map: where its 'disk' entries live")
+    p.add_argument("--from-engine", default=None, metavar="DIR",
+                   help="import the hidden states vLLM's extract_hidden_states wrote to DIR instead of "
+                        "running the target (docs/PRODUCTION.md)")
     add_compute_args(p)
     p.set_defaults(func=_extract)
 
@@ -37,6 +40,7 @@ def _extract(args) -> dict:
                               samples_per_shard=args.samples_per_shard, max_length=args.max_length,
                               batch_tokens=args.batch_tokens, device_map=args.device_map,
                               max_memory=args.max_memory, offload_folder=args.offload_folder,
+                              from_engine=args.from_engine,
                               dtype=args.dtype, torch_threads=args.threads))
 
 

@@ -121,21 +121,27 @@ def _log(msg: str) -> None:
 
 def target_header(target: Target, cfg: FeatureConfig) -> dict:
     """The header every shard of this target/config carries (and that resume and readers check)."""
+    return feature_header(target.meta, target.tokenizer, cfg, target.meta["dtype"])
+
+
+def feature_header(meta: dict, tokenizer, cfg: FeatureConfig, compute_dtype: str) -> dict:
+    """The shard header of a prepared target's meta and tokenizer; compute_dtype: the dtype the
+    states were computed in (the target's here, the engine's for imported states)."""
     from eagle3_platform.data.chat import template_hash, tokenizer_hash
 
-    meta = target.meta
     return {"target_id": meta["target_id"], "weights_hash": meta["weights_hash"],
             "capture_layer_ids": list(meta["capture_layer_ids"]),
-            "template_hash": template_hash(target.tokenizer),
-            "tokenizer_hash": tokenizer_hash(target.tokenizer),
-            "max_length": cfg.max_length, "dtype": cfg.dtype, "compute_dtype": meta["dtype"]}
+            "template_hash": template_hash(tokenizer), "tokenizer_hash": tokenizer_hash(tokenizer),
+            "max_length": cfg.max_length, "dtype": cfg.dtype, "compute_dtype": compute_dtype}
 
 
 # ---------------------------------------------------------------- reading + accounting
 
-def load_records(conv_path: str | Path, header: dict, max_length: int,
-                 vocab_size: int | None = None) -> tuple[list[dict], list[Rejection], dict]:
-    """Accepted samples {id, input_ids, loss_mask} (truncated to max_length), rejections, counters."""
+def load_records(conv_path: str | Path, header: dict, max_length: int, vocab_size: int | None = None,
+                 keep_full: bool = False) -> tuple[list[dict], list[Rejection], dict]:
+    """Accepted samples {id, input_ids, loss_mask} (truncated to max_length), rejections, counters.
+    keep_full: each sample also keeps its untruncated ids (`full_input_ids`: engine import matches
+    captured token ids against them), workload and source (for its rejections)."""
     samples, rejected, stats = [], [], {"read": 0, "truncated": 0}
     seen: set[str] = set()
     with open(conv_path, "rb") as f:
@@ -147,6 +153,7 @@ def load_records(conv_path: str | Path, header: dict, max_length: int,
         rec, reason = _parse(line, header, vocab_size)
         if not reason and rec.id in seen:
             reason = "dup"  # one sample per record id: ids name samples in shards and manifests
+        full = rec.input_ids if rec else []
         if not reason and len(rec.input_ids) > max_length:
             stats["truncated"] += 1
             rec.input_ids, rec.loss_mask = rec.input_ids[:max_length], rec.loss_mask[:max_length]
@@ -157,7 +164,9 @@ def load_records(conv_path: str | Path, header: dict, max_length: int,
             rejected.append(Rejection(id=rid, workload=wl, source=src, stage=STAGE, reason=reason))
             continue
         seen.add(rec.id)
-        samples.append({"id": rec.id, "input_ids": rec.input_ids, "loss_mask": rec.loss_mask})
+        samples.append({"id": rec.id, "input_ids": rec.input_ids, "loss_mask": rec.loss_mask,
+                        **({"full_input_ids": full, "workload": rec.workload, "source": rec.source}
+                           if keep_full else {})})
     return samples, rejected, stats
 
 
@@ -326,7 +335,7 @@ def _reusable(sink: _Sink, name: str, row: dict | None, header: dict, chunk: lis
 
 # ---------------------------------------------------------------- the job
 
-def _sink(out_dir: str | Path, storage: Storage | None, prefix: str) -> _Sink:
+def open_sink(out_dir: str | Path, storage: Storage | None = None, prefix: str = "") -> _Sink:
     """`gs://bucket/path` → its local working copy, mirrored; a local dir → itself, or mirrored to
     `storage/prefix` when a storage is given (out_dir is then only the scratch copy)."""
     if storage is None and str(out_dir).startswith("gs://"):
@@ -349,25 +358,33 @@ def extract_file(target_dir: str | Path, conv_path: str | Path, out_dir: str | P
                              device_map=parse_device_map(cfg.device_map), max_memory=parse_max_memory(cfg.max_memory),
                              offload_folder=cfg.offload_folder or None)
     header = target_header(target, cfg)
-    sink = _sink(out_dir, storage, prefix)
-    local = sink.local
+    sink = open_sink(out_dir, storage, prefix)
     samples, rejected, stats = load_records(conv_path, header, cfg.max_length, target.meta["vocab_size"])
-    write_jsonl_atomic(local / REJECTED, rejected)
-    sink.publish(REJECTED)
-    if not samples:  # an empty feature dir would train an untrained head downstream: fail here
-        raise ValueError(_nothing_usable(conv_path, stats["read"], rejected, local / REJECTED))
-    n = cfg.samples_per_shard
-    slices = [samples[i:i + n] for i in range(0, len(samples), n)]
-    rows, written, skipped = _run_shards(target, cfg, header, sink, slices)
-    _remove_stale(local, len(slices))
-    _commit_manifest(sink, rows, {}, len(slices))
-    summary = _summary(sink, header, stats, rows, rejected, written, skipped, time.perf_counter() - t0)
+    summary = write_features(sink, conv_path, header, samples, rejected, stats, cfg.samples_per_shard,
+                             lambda chunk: compute_features(target, chunk, cfg), t0)
     # budget: aux 3H + last H states per token; in bf16 that is 8H bytes (+ ids/mask/offsets/header)
     itemsize = torch.empty(0, dtype=getattr(torch, cfg.dtype)).element_size()
     if target.meta.get("device_map"):
         summary["device_map"] = target.meta["device_map"]
     summary["budget_bytes_per_token"] = itemsize * (len(header["capture_layer_ids"]) + 1) * target.meta["hidden_size"]
     return summary
+
+
+def write_features(sink: _Sink, conv_path, header: dict, samples: list[dict], rejected: list[Rejection],
+                   stats: dict, samples_per_shard: int, compute, t0: float) -> dict:
+    """The one shard writer of every feature source: rejected.jsonl, then shard i = samples
+    [i*n, (i+1)*n) (kept when an earlier run finished it, else `compute(chunk)` -> the chunk's samples
+    with aux_hidden/last_hidden), the manifest after every shard. Returns the summary."""
+    write_jsonl_atomic(sink.local / REJECTED, rejected)
+    sink.publish(REJECTED)
+    if not samples:  # an empty feature dir would train an untrained head downstream: fail here
+        raise ValueError(_nothing_usable(conv_path, stats["read"], rejected, sink.local / REJECTED))
+    n = samples_per_shard
+    slices = [samples[i:i + n] for i in range(0, len(samples), n)]
+    rows, written, skipped = _run_shards(compute, header, sink, slices)
+    _remove_stale(sink.local, len(slices))
+    _commit_manifest(sink, rows, {}, len(slices))
+    return _summary(sink, header, stats, rows, rejected, written, skipped, time.perf_counter() - t0)
 
 
 def _nothing_usable(conv_path, read: int, rejected: list[Rejection], rejected_path: Path) -> str:
@@ -379,7 +396,7 @@ def _nothing_usable(conv_path, read: int, rejected: list[Rejection], rejected_pa
     return f"all {read} records of {conv_path} rejected: {top_reasons(reasons)}{hint}; details in {rejected_path}"
 
 
-def _run_shards(target, cfg, header, sink, slices) -> tuple[list[dict], list[str], list[str]]:
+def _run_shards(compute, header, sink, slices) -> tuple[list[dict], list[str], list[str]]:
     """Shard k = slices[k]: kept when an earlier run finished it, computed otherwise. The forwards run
     here; writing, publishing and the manifest run on one writer thread in shard order (at most one
     computed shard waits for it), so a GPU never idles on the disk or the bucket and the manifest still
@@ -418,7 +435,7 @@ def _run_shards(target, cfg, header, sink, slices) -> tuple[list[dict], list[str
                 continue
             t = time.perf_counter()
             clock["start"] = clock["start"] or t  # the first forward
-            writer.submit(write, k, name, compute_features(target, chunk, cfg), chunk_tokens, t)
+            writer.submit(write, k, name, compute(chunk), chunk_tokens, t)
     return rows, written, skipped
 
 

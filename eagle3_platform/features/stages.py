@@ -19,6 +19,9 @@ class ExtractRequest(ComputeRequest):
     device_map: str | None = None  # "auto" | "balanced" | "sequential" | JSON {module: device}
     max_memory: str | None = None  # JSON {device: size}, e.g. {"0": "70GiB", "cpu": "200GiB"}
     offload_folder: str | None = None
+    # hidden states an inference engine captured (vLLM extract_hidden_states files): imported, the
+    # target not loaded (features/engine_import.py)
+    from_engine: str | None = None
 
 
 def feature_config(req: ExtractRequest):
@@ -38,6 +41,10 @@ def run_extract(req: ExtractRequest) -> dict:
     output_dir(req.out)
     if req.torch_threads is not None:  # FeatureConfig has no thread setting: torch's default otherwise
         set_threads(req.torch_threads)
+    if req.from_engine:
+        from eagle3_platform.features.engine_import import import_engine_dir
+
+        return import_engine_dir(req.target, req.from_engine, req.in_path, req.out, feature_config(req))
     return extract_file(req.target, req.in_path, req.out, feature_config(req))
 
 
