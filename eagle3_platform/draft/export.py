@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from eagle3_platform.draft.answer_ngrams import AnswerNgrams
 from eagle3_platform.draft.model import DraftConfig, Eagle3Draft, build_draft, read_draft_dir
 from eagle3_platform.draft.vocab import check_vocab
+from eagle3_platform.model.families import UnsupportedTarget
 
 ARCH = "LlamaForCausalLMEagle3"
 EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -92,7 +93,7 @@ def sglang_config(cfg: DraftConfig, dtype: str, provenance: dict | None = None) 
         "hidden_act": "silu",  # the head's MLP (model.py), whatever the target's; SGLang accepts only SiLU
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": cfg.rope_scaling,
+        "rope_scaling": sglang_rope_scaling(cfg),
         "max_position_embeddings": cfg.max_position_embeddings,
         "vocab_size": cfg.vocab_size,
         "draft_vocab_size": cfg.draft_vocab_size,
@@ -106,6 +107,59 @@ def sglang_config(cfg: DraftConfig, dtype: str, provenance: dict | None = None) 
                          "use_aux_hidden_state": True},
         "eagle3_platform": provenance or {},
     }
+
+
+# The rope types whose SGLang rotary (get_rope) computes what the head's (transformers') computes from
+# the same dict; tests/test_sglang_eagle3_load.py checks each against SGLang's on the CPU.
+SGLANG_ROPE_TYPES = ("linear", "llama3", "yarn")
+
+
+def sglang_rope_scaling(cfg: DraftConfig) -> dict | None:
+    """The head's rope_scaling as the export writes it: every value SGLang would default differently
+    spelt out, or UnsupportedTarget where SGLang's rotary cannot compute the head's (dynamic NTK grows
+    with the sequence in transformers, fixed in SGLang; longrope; keys only one side reads)."""
+    if cfg.rope_scaling is None:
+        return None
+    rs = dict(cfg.rope_scaling)
+    kind = rs.pop("type", None) or rs.get("rope_type")
+    rs["rope_type"] = kind
+    if kind not in SGLANG_ROPE_TYPES:
+        raise UnsupportedTarget(f"rope_type {kind!r}: SGLang's rotary is not checked to compute the head's "
+                                f"(exported exactly: default, {', '.join(SGLANG_ROPE_TYPES)})")
+    if rs.get("factor") is None and kind != "yarn":
+        raise UnsupportedTarget(f"rope_type {kind!r} without a factor: transformers refuses it")
+    return _yarn_for_sglang(rs, cfg.max_position_embeddings) if kind == "yarn" else rs
+
+
+def _yarn_for_sglang(rs: dict, max_positions: int) -> dict:
+    """YaRN as transformers' _compute_yarn_parameters reads it, in the keys SGLang's
+    YaRNScalingRotaryEmbedding reads: factor (transformers: max positions / original when absent),
+    beta_fast/beta_slow (32/1 when absent or 0), truncate (true when absent). The cos/sin scale is
+    0.1·ln(factor)+1 on both sides (mscale/mscale_all_dim: their ratio, both sides); an explicit
+    attention_factor, which SGLang does not read, must equal it."""
+    import math
+
+    orig = rs.get("original_max_position_embeddings")
+    if orig is None:
+        raise UnsupportedTarget("yarn rope_scaling without original_max_position_embeddings")
+    factor = float(rs.get("factor") or max_positions / orig)
+    foreign = {k: rs[k] for k in ("extrapolation_factor", "attn_factor") if rs.get(k, 1) != 1}
+    if foreign:
+        raise UnsupportedTarget(f"yarn {foreign}: read by SGLang only, not by the head's rotary")
+    ms, ms_all = rs.get("mscale"), rs.get("mscale_all_dim")
+    both = ms is not None and ms_all is not None   # SGLang takes their ratio then; transformers if both non-zero
+    if both and not (ms and ms_all):
+        raise UnsupportedTarget(f"yarn mscale={ms} mscale_all_dim={ms_all}: SGLang and transformers "
+                                "derive different cos/sin scales from these")
+
+    def m(scale, k=1.0):
+        return 1.0 if scale <= 1 else 0.1 * k * math.log(scale) + 1.0
+    scale = m(factor, ms) / m(factor, ms_all) if both else m(factor)
+    if rs.get("attention_factor") is not None and abs(rs["attention_factor"] - scale) > 1e-6 * scale:
+        raise UnsupportedTarget(f"yarn attention_factor {rs['attention_factor']}: SGLang scales cos/sin by "
+                                f"{scale:.6g} (it does not read attention_factor)")
+    return {**rs, "factor": factor, "beta_fast": rs.get("beta_fast") or 32, "beta_slow": rs.get("beta_slow") or 1,
+            "truncate": bool(rs.get("truncate", True))}
 
 
 def config_from_export(c: dict) -> DraftConfig:
