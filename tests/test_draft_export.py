@@ -102,3 +102,61 @@ def test_expected_tensors_follow_config(draft_dir):
     want = expected_tensors(sglang_config(cfg, "bfloat16"))
     assert set(want) == DESIGN_NAMES
     assert want["fc.weight"][0] == (64, 192) and want["midlayer.self_attn.k_proj.weight"][0] == (32, 128)
+
+
+# ---- the rope the export writes: what SGLang's get_rope reads as the head's rotary ---------------------
+def _rope_cfg(rope_parameters, max_positions=131072):
+    from transformers import LlamaConfig
+
+    c = {**LlamaConfig(num_hidden_layers=4).to_dict(), "max_position_embeddings": max_positions,
+         "rope_parameters": {"rope_theta": 150000.0, **rope_parameters}}
+    return DraftConfig.from_target(c, 32, [0, 1, 2])
+
+
+def test_yarn_is_written_with_every_value_sglang_would_default_otherwise():
+    from eagle3_platform.draft.export import sglang_rope_scaling
+
+    gpt_oss = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+               "original_max_position_embeddings": 4096}
+    assert sglang_rope_scaling(_rope_cfg(gpt_oss)) == gpt_oss  # nothing to spell out; truncate kept false
+    # transformers: factor = max positions / original where absent, betas 32/1 where 0, truncate true
+    bare = sglang_rope_scaling(_rope_cfg({"rope_type": "yarn", "original_max_position_embeddings": 4096,
+                                          "beta_fast": 0}, max_positions=65536))
+    assert bare == {"rope_type": "yarn", "original_max_position_embeddings": 4096, "factor": 16.0,
+                    "beta_fast": 32, "beta_slow": 1, "truncate": True}
+    assert sglang_rope_scaling(_rope_cfg({})) is None  # plain RoPE: rope_theta alone
+
+
+@pytest.mark.parametrize("rope,why", [
+    ({"rope_type": "dynamic", "factor": 2.0}, "'dynamic'"),
+    ({"rope_type": "longrope", "short_factor": [1.0] * 32, "long_factor": [2.0] * 32,
+      "original_max_position_embeddings": 4096}, "'longrope'"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096, "attention_factor": 1.0},
+     "attention_factor"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096, "extrapolation_factor": 0.5},
+     "SGLang only"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096, "mscale": 0.0,
+      "mscale_all_dim": 1.0}, "mscale"),
+])
+def test_a_rope_sglang_cannot_reproduce_is_refused_at_export(rope, why, draft_dir, tmp_path):
+    from eagle3_platform.draft.export import sglang_rope_scaling
+    from eagle3_platform.model.families import UnsupportedTarget
+
+    with pytest.raises(UnsupportedTarget, match=why):
+        sglang_rope_scaling(_rope_cfg(rope))
+    meta = json.loads((draft_dir / "draft_config.json").read_text())
+    meta["draft"]["rope_scaling"] = rope
+    (draft_dir / "draft_config.json").write_text(json.dumps(meta))
+    with pytest.raises(UnsupportedTarget, match=why):
+        export_draft(draft_dir, tmp_path / "export")
+    assert not (tmp_path / "export").exists()
+
+
+def test_yarn_attention_factor_equal_to_sglangs_scale_is_exported():
+    import math
+
+    from eagle3_platform.draft.export import sglang_rope_scaling
+
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
+            "attention_factor": 0.1 * math.log(4.0) + 1.0}
+    assert sglang_rope_scaling(_rope_cfg(rope))["attention_factor"] == rope["attention_factor"]
