@@ -30,6 +30,7 @@ def _extract_split(context, w: str, split: str, storage, target, preset, compute
     summary = compute.run(context, ExtractRequest(target=str(target.dir()), in_path=str(conv), out=str(out),
                                                   preset=preset.name, max_length=target.max_length,
                                                   device_map=target.device_map, max_memory=target.max_memory,
+                                                  from_engine=target.engine_dir,
                                                   **preset.compute()))
     # Sidecar naming the target these features belong to: consumers pick matching partitions cheaply.
     (out / TARGET_SIDECAR).write_text(json.dumps(expect_header(target)))

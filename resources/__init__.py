@@ -13,7 +13,8 @@ EAGLE3_K8S_CONFIG (a YAML of the stage pods' settings, resources/k8s.py), EAGLE3
 SGLang environment's interpreter), EAGLE3_SGLANG_TP (SGLang's tensor-parallel size),
 EAGLE3_REGEN_ENDPOINT (regenerate through this OpenAI-compatible server of the target; a comma-separated
 list spreads the conversations over several), EAGLE3_EXTRACT_DEVICE_MAP / EAGLE3_EXTRACT_MAX_MEMORY
-(feature extraction loads the target sharded: `eagle3 extract --device-map` / `--max-memory`).
+(feature extraction loads the target sharded: `eagle3 extract --device-map` / `--max-memory`),
+EAGLE3_EXTRACT_FROM_ENGINE (features imported from a vLLM hidden-state capture dir: `--from-engine`).
 """
 from __future__ import annotations
 
@@ -62,7 +63,8 @@ def build_resources(env: str | None = None, preset: str | None = None, target: s
         "target": TargetResource(model=target or os.environ.get("EAGLE3_TARGET", "smollm2-135m-instruct"),
                                  endpoint=os.environ.get("EAGLE3_REGEN_ENDPOINT") or None,
                                  device_map=os.environ.get("EAGLE3_EXTRACT_DEVICE_MAP") or None,
-                                 max_memory=os.environ.get("EAGLE3_EXTRACT_MAX_MEMORY") or None),
+                                 max_memory=os.environ.get("EAGLE3_EXTRACT_MAX_MEMORY") or None,
+                                 engine_dir=os.environ.get("EAGLE3_EXTRACT_FROM_ENGINE") or None),
         "preset": PresetResource(name=preset or os.environ.get("EAGLE3_PRESET", DEFAULT_PRESET),
                                  dtype=dtype or os.environ.get("EAGLE3_DTYPE") or None, torch_threads=threads,
                                  regen_time_budget_s=regen_time_budget_s,

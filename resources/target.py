@@ -19,6 +19,9 @@ class TargetResource(ConfigurableResource):
     # extraction of a target no single device holds (FeatureConfig.device_map): None = one device
     device_map: str | None = None  # "auto" | "balanced" | "sequential" | JSON {module: device}
     max_memory: str | None = None  # JSON {device: size}
+    # hidden states an inference engine wrote (vLLM extract_hidden_states files, one directory for every
+    # partition): feature_shards imports them instead of running the target (features/engine_import.py)
+    engine_dir: str | None = None
 
     def dir(self) -> Path:
         """The prepared target directory (prepared on first use; cached afterwards)."""

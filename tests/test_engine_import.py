@@ -234,3 +234,33 @@ def test_cli_extract_from_engine(tiny_target, tiny_target_dir, engine_model, tmp
     rc = main(["extract", "--target", str(tiny_target_dir), "--in", str(conv), "--out", str(tmp_path / "o2"),
                "--preset", "tiny", "--from-engine", str(tmp_path / "nowhere")])
     assert rc == 2 and "not a local directory" in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["error"]
+
+
+def test_feature_shards_asset_imports_from_the_engine_dir(tiny_target, tiny_target_dir, engine_model, tmp_path,
+                                                          monkeypatch):
+    """Dagster: EAGLE3_EXTRACT_FROM_ENGINE reaches the target resource, and feature_shards imports every
+    partition's records from that one capture directory (files of other splits match no record there)."""
+    from dagster import DagsterInstance
+
+    from assets.partitions import SPLITS, Keys
+    from dagster_helpers import meta, run, tiny_resources
+    from resources import StorageResource, TargetResource, build_resources
+
+    eng = _capture_dir(tmp_path, tiny_target.meta)
+    monkeypatch.setenv("EAGLE3_EXTRACT_FROM_ENGINE", str(eng))
+    assert build_resources(env="local", target=str(tiny_target_dir))["target"].engine_dir == str(eng)
+    storage = StorageResource(root=str(tmp_path / "data"))
+    recs = _records(tiny_target, 5)
+    for split, part in zip(SPLITS, (recs[:3], recs[3:])):
+        write_jsonl_atomic(storage.local_path(Keys.conversations("chat", split)), part)
+    for r in recs:
+        engine_standin(engine_model, r.input_ids, eng / f"{r.id}.safetensors", engine_layer_ids(tiny_target.meta))
+    resources = tiny_resources(storage, tiny_target_dir)
+    resources["target"] = TargetResource(model=str(tiny_target_dir), prepared_dir=str(tiny_target_dir),
+                                         engine_dir=str(eng))
+    with DagsterInstance.ephemeral() as instance:
+        result = run(["feature_shards"], resources, instance, partition="chat")
+    m = meta(result, "feature_shards")
+    assert m["samples"] == 3 and m["eval_samples"] == 2 and m["rejected"] == m["eval_rejected"] == 0
+    assert (m["engine"]["matched"], m["engine"]["unmatched_files"]) == (3, 2)
+    assert (m["eval_engine"]["matched"], m["eval_engine"]["unmatched_files"]) == (2, 3)
