@@ -41,6 +41,7 @@ def _regen_split(context, w: str, split: str, storage, target, preset, compute, 
     summary = compute.run(context, RegenerateRequest(
         target=str(target.dir()), in_path=str(kept), out=str(out), rejected=str(rej), preset=preset.name,
         max_length=target.max_length, endpoint=target.endpoint, time_budget_s=preset.regen_time_budget_s,
+        device=preset.regen_device,
         continue_from=published, replace_stale=True, **preset.compute()))
     check_accounting(summary, "written", f"{w}/{split}")
     summary.setdefault("continued_published", f"no: {why}")

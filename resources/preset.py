@@ -24,6 +24,9 @@ class PresetResource(ConfigurableResource):
     # takes up what it deferred; a published output made under another budget is continued
     # (assets/responses.py).
     regen_time_budget_s: float | None = None
+    # where local regeneration decodes: auto | cpu | cuda | cuda:N (None: the preset's, auto = CUDA
+    # where torch sees a GPU); a device asked for and absent fails the step at its start
+    regen_device: str | None = None
     # None: the preset's; else train prompts per workload (SourceConfig.with_train_prompts). A larger
     # set keeps the smaller one's prompts, and the responses step continues what they were answered
     # with (assets/responses.py): growing the data asks only the new prompts.

@@ -43,6 +43,9 @@ class ServingResource(ConfigurableResource):
     dtype: str | None = None                       # --dtype (auto, bfloat16, float16); None: SGLang's auto
     spec_v2: bool | None = None  # SGLANG_ENABLE_SPEC_V2 (overlap scheduler; chain drafting only); None: SGLang's
     extra_args: list[str] = []                     # appended verbatim (flags the launcher owns are refused)
+    # The embedded server's `--device` (auto | cpu | cuda | cuda:N); None: the serve preset's (auto =
+    # CUDA where torch sees a GPU). A device asked for and absent fails the server at startup.
+    device: str | None = None
 
     def resolved_mode(self) -> str:
         if self.mode != "auto":
@@ -75,6 +78,7 @@ class ServingResource(ConfigurableResource):
             compute = compute or {}
             flags = ["--preset", preset] + (["--dtype", compute["dtype"]] if "dtype" in compute else [])
             flags += _thread_flags(compute.get("torch_threads"))
+            flags += ["--device", self.device] if self.device else []
             from eagle3_platform.serve.launch import start_embedded_server
 
             return start_embedded_server(target_dir, draft_dir, host=self.host,

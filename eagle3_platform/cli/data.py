@@ -68,6 +68,9 @@ def add_commands(sub) -> None:
     p.add_argument("--restart", action="store_true",
                    help="discard what --out/--rejected hold (e.g. written for another target) and start fresh")
     add_compute_args(p)
+    p.add_argument("--device", default=None,
+                   help="local: auto | cpu | cuda | cuda:N, where the target decodes; auto = CUDA where torch "
+                        "sees a GPU (default: the preset's, auto)")
     p.set_defaults(func=cmd_regenerate)
 
 
@@ -89,4 +92,4 @@ def cmd_regenerate(a) -> dict:
         concurrency=a.concurrency, temperature=a.temperature, top_p=a.top_p, seed=a.seed,
         time_budget_s=None if a.time_budget_min is None else a.time_budget_min * 60, reasoning=a.reasoning,
         endpoint=a.endpoint, served_model=a.served_model, api_key=a.api_key, scan_responses=not a.no_scan_responses, restart=a.restart,
-        dtype=a.dtype, torch_threads=a.threads))
+        dtype=a.dtype, torch_threads=a.threads, device=a.device))

@@ -66,6 +66,7 @@ class RegenerateRequest(ComputeRequest):
     seed: int | None = None
     time_budget_s: float | None = Field(default=None, ge=0)  # None: the preset's; 0: no limit
     reasoning: Literal["keep", "drop"] | None = None  # None: the preset's (keep)
+    device: str | None = None  # local: auto | cpu | cuda | cuda:N (target.pick_device); None: the preset's (auto)
     # OpenAI-compatible base URL(s), a list or comma-separated: data-parallel; None = the local target
     endpoint: str | list[str] | None = None
     served_model: str | None = None  # the id each endpoint's /v1/models must list; None: the target id
@@ -132,7 +133,8 @@ def regen_config(req: RegenerateRequest):
     return resolve_config(req.platform().regen, max_new_tokens=req.max_new_tokens, max_length=req.max_length,
                           batch_size=req.batch_size, concurrency=req.concurrency, seed=req.seed,
                           temperature=t, top_p=req.top_p, do_sample=None if t is None else t > 0,
-                          time_budget_s=req.time_budget_s, reasoning=req.reasoning, **req.compute_overrides())
+                          time_budget_s=req.time_budget_s, reasoning=req.reasoning, device=req.device,
+                          **req.compute_overrides())
 
 
 def run_regenerate(req: RegenerateRequest) -> dict:
