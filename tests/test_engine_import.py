@@ -264,3 +264,27 @@ def test_feature_shards_asset_imports_from_the_engine_dir(tiny_target, tiny_targ
     assert m["samples"] == 3 and m["eval_samples"] == 2 and m["rejected"] == m["eval_rejected"] == 0
     assert (m["engine"]["matched"], m["engine"]["unmatched_files"]) == (3, 2)
     assert (m["eval_engine"]["matched"], m["eval_engine"]["unmatched_files"]) == (2, 3)
+
+
+def test_non_finite_states_stop_the_import_naming_the_file(tiny_target, tiny_target_dir, engine_model, tmp_path):
+    """A NaN in a capture is not silently trained on: the import stops naming the file, the shards
+    before it stay written and listed, and removing the file turns its record into a rejection."""
+    from safetensors.torch import load_file
+
+    recs = _records(tiny_target, 6)
+    conv = tmp_path / "conv.jsonl"
+    write_jsonl_atomic(conv, recs)
+    eng = _capture_dir(tmp_path, tiny_target.meta)
+    for r in recs:
+        engine_standin(engine_model, r.input_ids, eng / f"{r.id}.safetensors", engine_layer_ids(tiny_target.meta))
+    bad = eng / f"{recs[5].id}.safetensors"
+    t = load_file(str(bad))
+    t["hidden_states"][0, 1, 0] = float("nan")
+    save_file(t, str(bad))
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=f"{recs[5].id}.safetensors: non-finite"):
+        import_engine_dir(tiny_target_dir, eng, conv, out, TINY)
+    assert read_manifest(out)["shard"].to_list() == [shard_name(0)]
+    bad.unlink()
+    s = import_engine_dir(tiny_target_dir, eng, conv, out, TINY)
+    assert s["samples"] == 5 and s["by_reason"] == {"engine:no_file": 1} and s["shards_skipped"] == 1

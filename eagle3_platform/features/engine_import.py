@@ -134,12 +134,15 @@ def _check_file(path: Path, want_ids: list | None, expect: list[int], hidden: in
         return None, "engine:layer_count"
     if dtype not in DTYPES:
         return None, "engine:dtype"
-    stated = json.loads(meta[LAYER_KEY]) if LAYER_KEY in meta else want_ids
+    try:
+        stated = json.loads(meta[LAYER_KEY]) if LAYER_KEY in meta else want_ids
+    except json.JSONDecodeError:
+        return None, "engine:layer_ids"
     if stated is None:
         raise ValueError(f"{path} does not say which layers it holds and {path.parent / SPEC_CONFIG} is "
                          f"missing: save the --speculative-config the engine ran with there "
                          f"(for this target: {json.dumps({'draft_model_config': {'hf_config': {LAYER_KEY: expect}}})})")
-    if list(stated) != expect:
+    if not isinstance(stated, list) or stated != expect:
         return None, "engine:layer_ids"
     return EngineFile(path, path.name.removesuffix(".safetensors"), ids.tolist(), DTYPES[dtype]), ""
 
