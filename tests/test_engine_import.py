@@ -288,3 +288,21 @@ def test_non_finite_states_stop_the_import_naming_the_file(tiny_target, tiny_tar
     bad.unlink()
     s = import_engine_dir(tiny_target_dir, eng, conv, out, TINY)
     assert s["samples"] == 5 and s["by_reason"] == {"engine:no_file": 1} and s["shards_skipped"] == 1
+
+
+def test_a_file_vllm_is_still_writing_is_refused(tiny_target, tiny_target_dir, engine_model, tmp_path):
+    """vLLM holds an exclusive flock on <file>.lock while it writes <file>: such a file is not read."""
+    import fcntl
+
+    recs = _records(tiny_target, 2)
+    conv = tmp_path / "conv.jsonl"
+    write_jsonl_atomic(conv, recs)
+    eng = _capture_dir(tmp_path, tiny_target.meta)
+    for r in recs:
+        engine_standin(engine_model, r.input_ids, eng / f"{r.id}.safetensors", engine_layer_ids(tiny_target.meta))
+    (eng / f"{recs[1].id}.safetensors.lock").write_text("")
+    (eng / f"{recs[0].id}.safetensors.lock").write_text("")  # released: the write finished
+    with open(eng / f"{recs[1].id}.safetensors.lock") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        s = import_engine_dir(tiny_target_dir, eng, conv, tmp_path / "out", TINY)
+    assert s["samples"] == 1 and s["by_reason"] == {"engine:being_written": 1}
