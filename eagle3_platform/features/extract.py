@@ -17,6 +17,9 @@ accelerate's dispatch hooks); the captured states are gathered to the CPU and th
 single-device run writes.
 
 Accounting: read = samples in shards + rejected (rejected.jsonl, each with a reason).
+
+Hidden states an inference engine captured (engine_import.py) go through the same writer
+(write_features), with their file reads in place of the forwards.
 """
 from __future__ import annotations
 
