@@ -2,11 +2,13 @@
 CPU, with the torch the machine has and nothing downloaded.
 
 Steps (each timed on both devices; ratio = CPU seconds / device seconds):
-- regenerate: local_gen.generate_batch, greedy, a batch of prompts; tokens agreeing with the CPU's;
+- regenerate: regenerate_file, local, greedy, on `--device` as `eagle3 regenerate --device` runs it (the
+  summary must name that device; its target load is timed too); answer tokens agreeing with the CPU's;
 - extract: features.extract.compute_features (single device); max |device - CPU| of the hidden states;
 - train: draft.train.train, the tiny preset's recipe; final loss on both;
-- decode: the embedded engine (SpecEngine, chain drafting, a random head) against plain greedy
-  decoding on the same device: lossless means the same tokens.
+- decode: the embedded server's engine (build_engine on `device`, as `eagle3 serve --device` builds it:
+  chain drafting, a random head) against its baseline on the same device: lossless means the same
+  tokens; one sampled generation too (its RNG draws on the device).
 `--device cpu` runs the same steps with the CPU on both sides (a dry run of the logic, ratios ~1).
 Prints one line per step and a JSON summary last; exit 1 when a lossless or agreement check fails.
 """
@@ -36,17 +38,30 @@ def timed(fn, device: str):
 
 
 def prompts(tokenizer) -> list[list[int]]:
-    texts = [f"Question {i}: what does a mutex protect against, in {i + 3} words?" for i in range(N_PROMPTS)]
     return [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                          tokenize=True, return_dict=False) for t in texts]
+                                          tokenize=True, return_dict=False) for t in texts()]
 
 
-def regenerate(target, ids):
-    from eagle3_platform.data.local_gen import generate_batch
+def texts() -> list[str]:
+    return [f"Question {i}: what does a mutex protect against, in {i + 3} words?" for i in range(N_PROMPTS)]
 
-    eos = {target.tokenizer.eos_token_id}
-    return [g.tokens for g in generate_batch(target.model, ids, [NEW_TOKENS] * len(ids), eos,
-                                             target.tokenizer.pad_token_id or 0)]
+
+def regenerate(tdir: Path, work: Path, device: str) -> list[list[int]]:
+    """Local regeneration on `device` through regenerate_file -> each record's answer tokens."""
+    from eagle3_platform.data.regenerate import PRESETS, regenerate_file
+    from eagle3_platform.store.records import read_jsonl
+
+    inp = work / "prompts.jsonl"
+    inp.write_text("".join(json.dumps({"id": f"p{i}", "workload": "chat", "source": "gpu-check", "license": "mit",
+                                       "messages": [{"role": "user", "content": t}], "n_chars": len(t)}) + "\n"
+                           for i, t in enumerate(texts())))
+    out = work / f"regen-{device.replace(':', '')}.jsonl"
+    cfg = replace(PRESETS["tiny"], max_new_tokens=NEW_TOKENS, device=device, torch_threads=0, progress_every_s=600.0)
+    summary = regenerate_file(tdir, inp, out, cfg, scanner=False, restart=True)
+    if summary["device"] != device or summary["written"] != N_PROMPTS:
+        raise AssertionError(f"regeneration on {device}: summary {summary}")
+    records = sorted(read_jsonl(out), key=lambda r: r["id"])  # p0.. in the prompts' order
+    return [[t for t, m in zip(r["input_ids"], r["loss_mask"]) if m] for r in records]
 
 
 def extract(target, samples):
@@ -55,13 +70,21 @@ def extract(target, samples):
     return compute_features(target, samples, replace(PRESETS["tiny"], dtype="float32"))
 
 
-def decode(target, draft, ids):
-    """(speculative tokens, plain greedy tokens) per prompt on the target's device."""
-    from eagle3_platform.spec.config import PRESETS
-    from eagle3_platform.spec.engine import SpecEngine
+def engines(tdir: Path, export: Path, device: str):
+    """(EAGLE-3 engine, baseline engine) as `eagle3 serve --device` builds them (fp32: lossless is exact)."""
+    from eagle3_platform.serve.server import build_engine
 
-    spec, plain = SpecEngine(target, draft, PRESETS["chain"]), SpecEngine(target, None, PRESETS["baseline"])
-    return [spec.generate(p, NEW_TOKENS)[0] for p in ids], [plain.generate(p, NEW_TOKENS)[0] for p in ids]
+    (spec, _, info), (plain, _, _) = (build_engine(tdir, d, "chain", dtype="float32", device=device)
+                                      for d in (export, None))
+    if info["device"] != str(spec.device) or spec.device.type != device.split(":")[0]:
+        raise AssertionError(f"engine on {spec.device}, info {info['device']}, asked for {device}")
+    return spec, plain
+
+
+def decode(spec, plain, ids):
+    """(speculative tokens, plain greedy tokens) per prompt, and one sampled generation's length."""
+    sampled = spec.generate(ids[0], NEW_TOKENS, temperature=0.8, seed=0)[0]
+    return [spec.generate(p, NEW_TOKENS)[0] for p in ids], [plain.generate(p, NEW_TOKENS)[0] for p in ids], len(sampled)
 
 
 def main(argv=None) -> int:
@@ -69,7 +92,6 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="cuda | cuda:N | cpu (cpu: a dry run of the logic)")
     ap.add_argument("--work", default=None, help="scratch dir (default: a temp dir)")
     a = ap.parse_args(argv)
-    from eagle3_platform.draft.export import load_export
     from eagle3_platform.draft.train import PRESETS as TRAIN, train
     from eagle3_platform.model.target import TINY, load_target, prepare_target
     from eagle3_platform.testing.serve import random_export
@@ -102,9 +124,15 @@ def main(argv=None) -> int:
         total = sum(min(len(u), len(v)) for u, v in zip(x, y))
         return {"tokens_agreeing": f"{same}/{total}", "ok": total > 0 and same >= 0.9 * total}
 
-    step("regenerate", lambda d: regenerate(targets[d], ids), agree)
+    answers = {}
+
+    def regenerate_on(d):
+        answers[d] = regenerate(tdir, work, d)
+        return answers[d]
+
+    step("regenerate", regenerate_on, agree)
     feats = target_features(tdir, work / "features", n_samples=12)
-    samples = [{"input_ids": p + q} for p, q in zip(ids, regenerate(targets["cpu"], ids))]
+    samples = [{"input_ids": p + q} for p, q in zip(ids, answers["cpu"])]
 
     def hidden_diff(x, y):
         diff = max(float((u["aux_hidden"] - v["aux_hidden"]).abs().max()) for u, v in zip(x, y))
@@ -119,13 +147,14 @@ def main(argv=None) -> int:
     step("train", train_on, lambda x, y: {"final_loss_cpu": round(x, 4), "final_loss_device": round(y, 4),
                                           "ok": abs(x - y) < 0.05 * max(abs(x), 1e-6) + 1e-3})
     export = random_export(tdir, work / "export")
-    heads = {d: load_export(export, tdir).to(d) for d in ("cpu", dev)}
 
     def lossless(x, y):
-        same = all(s == p for s, p in zip(*y))
-        return {"lossless_on_device": same, "lossless_on_cpu": all(s == p for s, p in zip(*x)), "ok": same}
+        same = all(s == p for s, p in zip(*y[:2]))
+        return {"lossless_on_device": same, "lossless_on_cpu": all(s == p for s, p in zip(*x[:2])),
+                "sampled_tokens_on_device": y[2], "ok": same and y[2] > 0}
 
-    step("decode", lambda d: decode(targets[d], heads[d], ids), lossless)
+    built = {d: engines(tdir, export, d) for d in ("cpu", dev)}
+    step("decode", lambda d: decode(*built[d], ids), lossless)
     print(json.dumps({"ok": bool(ok), "device": dev, "torch": torch.__version__, "steps": results}))
     return 0 if ok else 1
 
