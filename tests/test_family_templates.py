@@ -513,3 +513,48 @@ def test_the_filter_measures_multi_turn_prompts_under_templates_that_need_altern
     assert [m.content for m in rec.messages] == [SYSTEM, USER1, USER2]
     with pytest.raises(BadRecord, match="bad:too_long"):
         validate(row, 8, toks[family], None)
+
+
+# ------------------------------------------------------------------ a split conversation's records
+
+def test_a_split_conversation_is_written_as_one_record_per_chain_and_resumes_whole(tiny_target_dir, tmp_path,
+                                                                                     endpoint):
+    """GPT-OSS rewrites every earlier answer: a 3-turn conversation is 3 records `<id>#<k>`, each turn
+    trained once; the accounting counts it as one conversation. A run killed between its records (one
+    written, the next torn) resumes by asking that conversation again whole: the output is the
+    uninterrupted run's, byte for byte, with no record lost or repeated."""
+    target = family_target(tiny_target_dir, "gpt-oss", tmp_path)
+    users = [["Hi there"], ["One", "Two", "Three"]]
+    s, out, rej = regenerate(tmp_path, target, users, endpoint)
+    assert (s["read"], s["written"], s["records"], s["rejected"]) == (2, 2, 4, 0) and not rej
+    assert [r["id"] for r in out] == ["r0", "r1#0", "r1#1", "r1#2"]
+    tok = family_tokenizer("gpt-oss")
+    for k, row in enumerate(out[1:]):
+        gen = row["generation"]
+        assert (gen["conversation_id"], gen["chains"], gen["trained_turns"]) == ("r1", 3, [k])
+        assert runs(tok, row["input_ids"], row["loss_mask"]) == [f"Answer to {users[1][k]}<|return|>"]
+        assert row["input_ids"][: len(p := render_prompt(tok, row["messages"][: 2 * k + 1]))] == p
+    assert "conversation_id" not in out[0]["generation"]  # one record: its id and fields as before
+
+    ref = (tmp_path / "out.jsonl").read_bytes()
+    lines = ref.splitlines(keepends=True)
+    (tmp_path / "out.jsonl").write_bytes(b"".join(lines[:2]) + lines[2][:40])  # killed inside r1#1
+    asked = len(_Replies.bodies)
+    s2, _, _ = regenerate(tmp_path, target, users, endpoint)
+    assert (s2["resumed"], s2["written"], s2["records"]) == (1, 2, 4)
+    assert len(_Replies.bodies) - asked == 3  # r1's three turns asked again, r0 kept
+    assert (tmp_path / "out.jsonl").read_bytes() == ref
+
+
+def test_a_record_id_that_would_repeat_another_inputs_id_is_rejected(tiny_target_dir, tmp_path, endpoint):
+    target = family_target(tiny_target_dir, "gpt-oss", tmp_path)
+    from eagle3_platform.data.regenerate import PRESETS, regenerate_file
+
+    rows = [{"id": i, "workload": "multi_turn", "source": "test", "license": "MIT",
+             "messages": [{"role": "user", "content": u} for u in us]}
+            for i, us in (("a", ["One", "Two"]), ("a#1", ["Hi"]))]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s = regenerate_file(target, inp, tmp_path / "out.jsonl", PRESETS["tiny"], endpoint=endpoint, scanner=False,
+                        rejected_path=tmp_path / "rej.jsonl")
+    assert (s["read"], s["written"], s["records"], s["by_reason"]) == (2, 1, 1, {"dup:chain_id": 1})

@@ -17,7 +17,7 @@ import torch
 
 from eagle3_platform.data.chat import end_of_turn, eos_token_ids, render, render_prompt, template_hash
 from eagle3_platform.data.local_gen import Sampling, common_prefix, generate_batch
-from eagle3_platform.data.regenerate import PRESETS, regenerate_file
+from eagle3_platform.data.regenerate import PRESETS, conversation_id, regenerate_file
 from eagle3_platform.store.records import ConversationRecord, Rejection, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,12 +81,14 @@ def varied_regen(varied, monkeypatch):
 def check_records(rows: list[dict], prompts: list[dict], tok, target_id: str) -> None:
     """Every record valid, one answer per user turn, and each trained turn exactly as the target produced
     it: the record up to its mask is the prompt the template renders for it, the masked run is the answer
-    (its new tokens, its text, its stop token)."""
+    (its new tokens, its text, its stop token). A conversation split into records (one per chain)
+    trains each of its turns in exactly one of them."""
     by_id = {p["id"]: p for p in prompts}
     stops = eos_token_ids(tok)
+    seen: dict[str, list[int]] = {}
     for row in rows:
         rec = ConversationRecord.model_validate(row)
-        src = by_id[rec.id]
+        src = by_id[conversation_id(row)]
         users = [m["content"] for m in src["messages"] if m["role"] == "user"]
         roles = [m.role for m in rec.messages]
         assert [m.content for m in rec.messages if m.role == "user"] == users[: roles.count("user")]
@@ -95,7 +97,8 @@ def check_records(rows: list[dict], prompts: list[dict], tok, target_id: str) ->
         msgs = [m.model_dump() for m in rec.messages]
         replies = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
         trained, runs = rec.generation["trained_turns"], mask_runs(rec.loss_mask)
-        assert trained[-1] == len(replies) - 1 and len(runs) == len(trained)
+        assert len(runs) == len(trained)
+        seen.setdefault(conversation_id(row), []).extend(trained)
         for t, (a, b) in zip(trained, runs):
             i = replies[t]
             assert rec.input_ids[:a] == render_prompt(tok, msgs[:i])
@@ -108,6 +111,24 @@ def check_records(rows: list[dict], prompts: list[dict], tok, target_id: str) ->
                 assert answer[-1] == tok.convert_tokens_to_ids(end_of_turn(tok))
         assert rec.template_hash == template_hash(tok) and rec.target_id == target_id
         assert len(rec.generation["finish_reasons"]) == roles.count("assistant")
+        if conversation_id(row) != rec.id:
+            assert rec.id.startswith(conversation_id(row) + "#") and rec.generation["chains"] > 1
+    for cid, trained in seen.items():  # every answered turn trained exactly once
+        n = sum(m["role"] == "assistant" for m in next(r for r in rows if conversation_id(r) == cid)["messages"])
+        assert sorted(trained) == list(range(n))
+
+
+def by_conversation(rows) -> dict[str, list[dict]]:
+    """Rows grouped by the conversation they were made from, in file order."""
+    out: dict[str, list[dict]] = {}
+    for r in rows:
+        out.setdefault(conversation_id(r), []).append(r)
+    return out
+
+
+def whole_conversations(rows: list[dict]) -> int:
+    """Conversations these rows hold all the records of (a split one has `generation.chains`)."""
+    return sum(len(rs) == rs[0]["generation"].get("chains", 1) for rs in by_conversation(rows).values())
 
 
 def mask_runs(mask: list[int]) -> list[tuple[int, int]]:
@@ -479,7 +500,10 @@ def test_resume_after_sigkill_gives_identical_records(tiny_target_dir, tmp_path,
     done = subprocess.run(_cli(inp, ref, tiny_target_dir, preset), cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1])["written"] == 30
+    ref_summary = json.loads(done.stdout.strip().splitlines()[-1])
+    # the tiny target's answers do not re-render token for token (cut by max_new_tokens, random ids):
+    # its conversations split into records, so a kill may land between one conversation's records
+    assert ref_summary["written"] == 30 and ref_summary["records"] == sum(1 for _ in read_jsonl(ref)) >= 30
 
     out = tmp_path / "out.jsonl"
     proc = subprocess.Popen(_cli(inp, out, tiny_target_dir, preset), cwd=ROOT, env=env,
@@ -495,7 +519,7 @@ def test_resume_after_sigkill_gives_identical_records(tiny_target_dir, tmp_path,
         proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
     killed_lines = out.read_bytes().count(b"\n")
-    assert 1 <= killed_lines < 30, f"the run was not killed part-way ({killed_lines} lines)"
+    assert 1 <= killed_lines < ref_summary["records"], f"the run was not killed part-way ({killed_lines} lines)"
 
     again = subprocess.run(_cli(inp, out, tiny_target_dir, preset), cwd=ROOT, env=env, capture_output=True, text=True,
                            timeout=300)
@@ -503,7 +527,7 @@ def test_resume_after_sigkill_gives_identical_records(tiny_target_dir, tmp_path,
     summary = json.loads(again.stdout.strip().splitlines()[-1])
     assert summary["resumed"] >= 1 and summary["written"] == 30 and summary["read"] == 30
     got, want = list(read_jsonl(out)), list(read_jsonl(ref))
-    assert len({r["id"] for r in got}) == len(got) == 30  # no loss, no duplicates
+    assert len({r["id"] for r in got}) == len(got) == ref_summary["records"]  # no loss, no duplicates
     assert got == want  # same records, same tokens, same order as the uninterrupted run
 
 
@@ -518,7 +542,7 @@ def test_resume_from_partial_batch_and_torn_line(tiny_target_dir, tmp_path):
     out = tmp_path / "out.jsonl"
     out.write_bytes(b"\n".join(lines[:3]) + b"\n" + lines[3][: len(lines[3]) // 2])  # 1.5 batches + torn line
     s = regenerate_file(tiny_target_dir, inp, out, cfg, scanner=NoScan())
-    assert s["resumed"] == 3 and s["written"] == 7
+    assert s["resumed"] == whole_conversations([json.loads(line) for line in lines[:3]]) and s["written"] == 7
     assert out.read_bytes() == ref.read_bytes()
 
 
@@ -792,6 +816,7 @@ def test_a_spent_time_budget_defers_what_has_not_begun_and_a_rerun_with_budget_l
     ref = tmp_path / "ref.jsonl"  # no budget: every conversation in full (fp32: batch companions do not matter)
     regenerate_file(tiny_target_dir, inp, ref, cfg, scanner=NoScan())
     want = {r["id"]: r for r in read_jsonl(ref)}
+    want_convos = by_conversation(read_jsonl(ref))
 
     out, rej = tmp_path / "out.jsonl", tmp_path / "rej.jsonl"
     budget = replace(cfg, time_budget_s=4)  # spent after 4 answered turns
@@ -799,12 +824,14 @@ def test_a_spent_time_budget_defers_what_has_not_begun_and_a_rerun_with_budget_l
     deferred = s["by_reason"].get("budget:time", 0)
     assert s["read"] == s["written"] + s["rejected"] == 12 and s["rejected"] == deferred >= 6
     rows = list(read_jsonl(out))
-    answered = sum(len(r["generation"]["new_tokens"]) for r in rows)
+    convos = by_conversation(rows)
+    answered = sum(len(rs[0]["generation"]["new_tokens"]) for rs in convos.values())
     assert 4 <= answered <= 4 + cfg.batch_size - 1  # the answers being decoded when it ran out end there
     check_records(rows, prompts, tok, "tiny-random")
     cut = 0
-    for r in rows:  # a cut conversation keeps the turns it had: the full run's first ones, the last maybe cut
-        n, full = len(r["messages"]), want[r["id"]]
+    for cid, recs in convos.items():  # a cut conversation keeps the turns it had: the full run's first ones,
+        r, full = recs[-1], want_convos[cid][-1]  # the last maybe cut (its records share messages, generation)
+        n = len(r["messages"])
         assert r["messages"][:n - 1] == full["messages"][:n - 1]
         turn = len(r["generation"]["new_tokens"]) - 1
         if r["generation"]["finish_reasons"][-1] == "time":
@@ -812,8 +839,8 @@ def test_a_spent_time_budget_defers_what_has_not_begun_and_a_rerun_with_budget_l
             assert r["generation"]["new_tokens"][-1] < full["generation"]["new_tokens"][turn]
         else:
             assert r["messages"][-1] == full["messages"][n - 1]
-        assert r["generation"]["cut_by_time"] == (r != full)  # turns left unasked count too
-    cut_by_time = sum(r["generation"]["cut_by_time"] for r in rows)
+        assert r["generation"]["cut_by_time"] == (recs != want_convos[cid])  # turns left unasked count too
+    cut_by_time = sum(rs[0]["generation"]["cut_by_time"] for rs in convos.values())
     assert cut_by_time >= max(cut, 1)  # here: multi-turn conversations stopped between turns
     assert json.loads((tmp_path / "out.jsonl.budget.json").read_text())["spent_s"] >= 4
 
@@ -845,7 +872,7 @@ def test_a_cut_record_whose_retry_ends_no_better_is_kept_not_lost(tiny_target_di
     from eagle3_platform.data.regenerate import cut_stash_path, retry_cut
 
     def answered(rows):
-        return {r["id"]: sum(r["generation"]["new_tokens"]) for r in rows}
+        return {conversation_id(r): sum(r["generation"]["new_tokens"]) for r in rows}
 
     inp = write_prompts(tmp_path / "in.jsonl", mixed_prompts(12))
     cfg = replace(TINY, batch_size=2, window_batches=1, random_order=True)
@@ -869,7 +896,7 @@ def test_a_cut_record_whose_retry_ends_no_better_is_kept_not_lost(tiny_target_di
     assert {r["id"]: r for r in read_jsonl(out)} == kept
 
     # a cut record's prompt redacted since: refused like any record's, never stashed and put back
-    cut_id = next(i for i, r in kept.items() if r["generation"]["cut_by_time"])
+    cut_id = next(conversation_id(r) for r in kept.values() if r["generation"]["cut_by_time"])
     rows = [json.loads(line) for line in inp.read_text().splitlines()]
     for row in rows:
         if row["id"] == cut_id:
@@ -971,12 +998,13 @@ def test_a_grown_prompt_set_continues_the_published_output_and_asks_only_the_new
     assert more["read"] == 12 and more["written"] == first["written"] + alone["written"]
     assert out.read_bytes().startswith(published)
     assert {r["id"]: r for r in read_jsonl(out) if r["id"] in want} == want
-    assert json.loads(settled_path(out).read_text())["ids"] == sorted(r["id"] for r in read_jsonl(pub))
+    assert json.loads(settled_path(out).read_text())["ids"] == sorted(by_conversation(read_jsonl(pub)))
 
-    # killed after the continuation's first new window (2 rows): the resume plans the same windows,
-    # so it asks only the later ones
+    # killed after the continuation's first new window (2 conversations): the resume plans the same
+    # windows, so it asks only the later ones
     rows = out.read_bytes().splitlines(keepends=True)
-    out.write_bytes(b"".join(rows[:first["written"] + 2]))
+    new = list(by_conversation(json.loads(line) for line in rows[first["records"]:]).values())
+    out.write_bytes(b"".join(rows[:first["records"] + len(new[0]) + len(new[1])]))
     asked = answer_clock[0]
     resumed = regenerate_file(tiny_target_dir, grown, out, cfg, rejected_path=rej, scanner=NoScan())
     assert resumed["resumed"] == first["written"] + 2 and 0 < answer_clock[0] - asked < turns_new
@@ -990,7 +1018,7 @@ def test_a_grown_prompt_set_continues_the_published_output_and_asks_only_the_new
                            continue_from=Published(pub, pub_rej))
     assert answer_clock[0] == asked and less["read"] == less["written"] == 3
     assert less["continued_published"] == f"3 records ({first['written'] - 3} dropped)"
-    kept = {r["id"]: r for r in read_jsonl(pub) if r["id"] in {p["id"] for p in prompts[:3]}}
+    kept = {r["id"]: r for r in read_jsonl(pub) if conversation_id(r) in {p["id"] for p in prompts[:3]}}
     assert {r["id"]: r for r in read_jsonl(out2)} == kept
     assert pub.read_bytes() == published  # the published output is never changed
 

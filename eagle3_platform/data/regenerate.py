@@ -286,12 +286,12 @@ def check_output_prompts(out_path: Path, rejected_path: Path, in_path, prompts: 
 
 
 def changed_prompts(out_path: Path, convos: list[Convo]) -> int:
-    """Records in out_path whose prompt is not the one the input now holds under their id (ids the
+    """Conversations in out_path whose prompt is not the one the input now holds under their id (ids the
     input does not hold, and records from before prompt hashes were written, are not counted)."""
     now = {c.rec.id: prompt_sha256(c.rec) for c in convos}
-    return sum(1 for row in read_jsonl(out_path, tolerate_torn_tail=True)
-               if (made := (row.get("generation") or {}).get("prompt_sha256")) and conversation_id(row) in now
-               and now[conversation_id(row)] != made)
+    return len({conversation_id(row) for row in read_jsonl(out_path, tolerate_torn_tail=True)
+                if (made := (row.get("generation") or {}).get("prompt_sha256")) and conversation_id(row) in now
+                and now[conversation_id(row)] != made})
 
 
 def conversation_id(row: dict) -> str | None:
@@ -689,7 +689,7 @@ def take_published(src: Published, out_path: Path, rejected_path: Path, key: dic
     dropped = copy_rows(src.out, out_path, ids)
     if src.rejected is not None and src.rejected.exists():
         dropped += copy_rows(src.rejected, rejected_path, ids)
-    n = sum(1 for _ in read_jsonl(out_path))
+    n = len(written_conversations(out_path))  # input records (a split conversation is one)
     gone = f", {dropped} dropped: their prompts are no longer in the input" if dropped else ""
     print(f"[regenerate] continuing {src.out}: {n} records{gone}, {src.spent_s:.0f} s of time budget spent",
           file=sys.stderr)
@@ -697,10 +697,19 @@ def take_published(src: Published, out_path: Path, rejected_path: Path, key: dic
 
 
 def copy_rows(src: Path, dst: Path, ids: set[str]) -> int:
-    """Copies src to dst atomically, without the rows whose id is not in `ids` (lines kept byte for
-    byte) -> rows left out."""
+    """Copies src to dst atomically, without the rows of conversations whose id is not in `ids` (lines
+    kept byte for byte) -> conversations left out."""
+    gone: set[str] = set()
+
+    def drop(row: dict) -> bool:
+        if conversation_id(row) in ids:
+            return False
+        gone.add(conversation_id(row))
+        return True
+
     atomic_write(dst, lambda tmp: shutil.copyfile(src, tmp))
-    return drop_jsonl_rows(dst, lambda row: conversation_id(row) not in ids)
+    drop_jsonl_rows(dst, drop)
+    return len(gone)
 
 
 def settled_path(out_path: Path) -> Path:
