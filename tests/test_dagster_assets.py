@@ -252,7 +252,7 @@ def test_staging_output_made_with_other_settings_is_replaced_not_refused(tmp_pat
     assert f"max_new_tokens {now - 1} -> {now}" in m["discarded_stale"] and "eval_discarded_stale" not in m
     assert m["resumed"] == 0 and m["written"] + m["rejected"] == m["read"]
     records = list(read_jsonl(storage.local_path(Keys.conversations(WORKLOAD))))
-    assert len(records) == m["written"] and {r["generation"]["max_new_tokens"] for r in records} == {now}
+    assert len(records) == m["records"] and {r["generation"]["max_new_tokens"] for r in records} == {now}
 
 
 def test_a_raised_regeneration_budget_continues_the_published_responses_and_a_forced_run_starts_afresh(
