@@ -3,9 +3,10 @@
 Each family's real template on the tiny BPE with that family's special tokens (testing/family_templates):
 the masked tokens decode to exactly the assistant turns (with and without reasoning) plus their
 end-of-turn token, each once, nothing of the system or user text, single- and multi-turn (a template
-that rewrites earlier turns gives one record per chain, each turn masked where the target saw what it
-was given); an answer the target generated is masked on exactly its generated ids; a template that refuses a conversation rejects that
-record with the template's reason and the partition completes.
+that rewrites earlier turns gives one record per chain, each turn masked right after the prompt the
+target was given for it); an answer the target generated is masked on exactly its generated ids; a
+template that refuses a conversation rejects that record with the template's reason and the partition
+completes; a split conversation is written, counted and resumed as one input record.
 """
 from __future__ import annotations
 
@@ -154,7 +155,8 @@ def check_as_seen(tok, messages, records, reasoning="keep") -> None:
             p, a = turns[t].prompt, turns[t].answer
             assert p == render_prompt(tok, messages[:replies[t]], reasoning) == rec.input_ids[: len(p)]
             assert sum(rec.loss_mask[: len(p)]) == trained
-            assert rec.input_ids[len(p): len(p) + len(a)] == a and rec.loss_mask[len(p): len(p) + len(a)] == turns[t].mask
+            end = len(p) + len(a)
+            assert rec.input_ids[len(p): end] == a and rec.loss_mask[len(p): end] == turns[t].mask
             trained += sum(turns[t].mask)
         assert sum(rec.loss_mask) == trained
 

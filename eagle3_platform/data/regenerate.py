@@ -10,19 +10,20 @@ Either way each turn is recorded as the target saw it (its prompt ids + its answ
 locally, the template's render of the reply for an endpoint) and `chat.sequences` makes the records'
 `input_ids`/`loss_mask`: one record, or, where the template rewrites earlier turns, one per chain of
 turns, each under `<id>#<k>` with `generation.conversation_id` and `generation.chains` (every turn is
-trained once, as the target saw it). A conversation the template cannot render or mask (a jinja error, a token across
-a turn boundary) is rejected with its reason (`template:...`, `bad:token_boundary`); the run goes on.
+trained once, as the target saw it). A conversation the template cannot render or mask (a jinja error,
+a token across a turn boundary) is rejected with its reason (`template:...`, `bad:token_boundary`); the
+run goes on.
 Reasoning (RegenConfig.reasoning): keep trains the thinking the target emits, drop asks the template
 not to think and trains the answers without it.
 
 Accounting: every input record ends as exactly one conversation (its records in out) or Rejection
 (rejected); `read == written + rejected`, `records` counts the rows of out. Resume: both files are
 fsynced JSONL appends; a rerun skips conversations already in either (one killed between its records
-is dropped and asked again whole), but only when the records there were made by this run's target (id, weights, template) with its
-generation settings (before the first record, the key the run left beside them, `.key.json`), else it
-refuses (`--restart` discards the old output; `replace_stale`, the assets' staging, discards only such
-output, named in the summary). Input lines that cannot be
-records (broken JSON, bad encoding, schema, a repeated id) are rejected while reading, under ids unique
+is dropped and asked again whole), but only when the records there were made by this run's target
+(id, weights, template) with its generation settings (before the first record, the key the run left
+beside them, `.key.json`), else it refuses (`--restart` discards the old output; `replace_stale`, the
+assets' staging, discards only such output, named in the summary). Input lines that cannot be records
+(broken JSON, bad encoding, schema, a repeated id) are rejected while reading, under ids unique
 per line. Local windows (window_batches x batch_size records) are planned over ALL records (done or not) and
 a partially written window is recomputed whole, so a resumed run produces the very same tokens as an
 uninterrupted one (sampling draws from one RNG per record and turn, seeded from the record id).
