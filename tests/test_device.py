@@ -112,13 +112,13 @@ def test_engine_allocates_on_the_models_device(tiny_target_dir, random_head_expo
 
     engine, target, _ = build_engine(tiny_target_dir, random_head_export, "chain", dtype="float32", device="cpu")
     ids = chat_ids(target.tokenizer)
-    greedy, sampled = engine.generate(ids, 12)[0], engine.generate(ids, 12, temperature=0.8, seed=3)[0]
+    greedy, sampled = engine.generate(ids, 6)[0], engine.generate(ids, 6, temperature=0.8, seed=3)[0]
     with default_device("meta"):
-        assert engine.generate(ids, 12)[0] == greedy
-        assert engine.generate(ids, 12, temperature=0.8, seed=3)[0] == sampled
+        assert engine.generate(ids, 6)[0] == greedy
+        assert engine.generate(ids, 6, temperature=0.8, seed=3)[0] == sampled
         engine.on_device = contextlib.nullcontext  # the scope off: the same decode cannot run
         with pytest.raises(Exception):
-            engine.generate(ids, 12)
+            engine.generate(ids, 6)
 
 
 def test_local_decoding_allocates_on_the_models_device(tiny_target):
@@ -128,7 +128,7 @@ def test_local_decoding_allocates_on_the_models_device(tiny_target):
     prompts = [tok.encode("hello there " * k) for k in (1, 3, 7)]
     for s in (Sampling(), Sampling(True, 0.9, 0.9)):
         def run():
-            return [g.tokens for g in generate_batch(tiny_target.model, prompts, [10] * 3, {tok.eos_token_id},
+            return [g.tokens for g in generate_batch(tiny_target.model, prompts, [5] * 3, {tok.eos_token_id},
                                                      tok.pad_token_id, s, seeds=[1, 2, 3])]
         expected = run()
         with default_device("meta"):
