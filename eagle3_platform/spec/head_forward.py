@@ -52,7 +52,9 @@ class _HeadPlan:
 
     def rope(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """pos [B,T] -> cos, signed sin [B,1,T,hd] in dtype (the rotary module's cast)."""
-        try:
+        try:  # (on a GPU an index past the table is no IndexError but a device assert: checked first)
+            if pos.device.type != "cpu" and int(pos.max()) >= len(self.table):
+                raise IndexError("a position past the rope table")
             both = F.embedding(pos, self.table)  # [B,T,2hd]
         except IndexError:  # a position past the table: double it until it fits
             n = len(self.table)
