@@ -179,3 +179,14 @@ def test_regeneration_records_device_and_dtype(tiny_target_dir, tmp_path, no_cud
     assert (s["device"], s["dtype"], s["written"]) == ("cpu", "float32", 1)
     key = json.loads((tmp_path / "out.jsonl.key.json").read_text())
     assert "device" not in key  # the CPU's outputs keep the key they had
+
+
+def test_the_serving_resource_passes_the_device_to_the_embedded_server(monkeypatch):
+    import eagle3_platform.serve.launch as launch
+    from resources.serving import ServingResource
+
+    seen = []
+    monkeypatch.setattr(launch, "start_embedded_server", lambda *a, **kw: seen.append(kw["extra_args"]))
+    ServingResource(mode="embedded", device="cuda:1").launch("t", preset="tiny")
+    ServingResource(mode="embedded").launch("t", preset="tiny")
+    assert seen[0][-2:] == ["--device", "cuda:1"] and "--device" not in seen[1]  # None: the serve preset's
