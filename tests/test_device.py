@@ -54,7 +54,7 @@ def test_auto_is_the_cpu_without_a_gpu(no_cuda):
 
 @pytest.mark.parametrize("name", ["cuda", "cuda:0"])
 def test_cuda_asked_for_without_one_is_refused(no_cuda, name):
-    with pytest.raises(RuntimeError, match="sees no CUDA GPU"):
+    with pytest.raises(ValueError, match="sees no CUDA GPU"):
         pick_device(name)
 
 
@@ -67,7 +67,7 @@ def test_unknown_devices_are_refused(name):
 def test_auto_picks_cuda_where_torch_sees_one(fake_cuda):
     assert pick_device("auto") == "cuda"
     assert pick_device("cuda:0") == "cuda:0"
-    with pytest.raises(RuntimeError, match="sees 1 CUDA GPU"):
+    with pytest.raises(ValueError, match="sees 1 CUDA GPU"):
         pick_device("cuda:1")
 
 
@@ -97,7 +97,7 @@ def test_head_weights_off_the_cpu_are_native():
 
 
 def test_load_target_refuses_an_absent_device_and_records_the_one_used(tiny_target_dir, no_cuda):
-    with pytest.raises(RuntimeError, match="sees no CUDA GPU"):
+    with pytest.raises(ValueError, match="sees no CUDA GPU"):
         load_target(tiny_target_dir, device="cuda")
     t = load_target(tiny_target_dir, device="auto")
     assert t.meta["device"] == "cpu" and next(t.model.parameters()).device.type == "cpu"
@@ -140,7 +140,7 @@ def test_server_info_carries_device_and_dtype(tiny_target_dir, no_cuda):
     from eagle3_platform.serve.config import ServeConfig
     from eagle3_platform.serve.server import build_app, build_engine
 
-    with pytest.raises(RuntimeError, match="sees no CUDA GPU"):
+    with pytest.raises(ValueError, match="sees no CUDA GPU"):
         build_engine(tiny_target_dir, None, "chain", dtype="float32", device="cuda")
     engine, target, info = build_engine(tiny_target_dir, None, "chain", dtype="float32", device="auto")
     app = build_app(engine, target.tokenizer, ServeConfig(allowed_hosts=("testserver",)), model_name="m",
@@ -165,6 +165,20 @@ def test_serve_and_regenerate_take_a_device_flag():
     assert regen_config(RegenerateRequest(target="t", in_path="i", out="o", preset="tiny")).device == "auto"
 
 
+def test_the_cli_refuses_an_absent_device_in_one_line(tiny_target_dir, tmp_path, capsys, no_cuda):
+    from eagle3_platform.cli import main
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("")
+    for argv in (["serve", "--target", tiny_target_dir, "--port", "0", "--device", "cuda"],
+                 ["regenerate", "--target", tiny_target_dir, "--in", inp, "--out", tmp_path / "o.jsonl",
+                  "--device", "cuda:0"]):
+        assert main([str(a) for a in argv]) == 2
+        out, err = capsys.readouterr()
+        assert "sees no CUDA GPU" in err and "Traceback" not in err
+        assert json.loads(out.strip().splitlines()[-1])["ok"] is False
+
+
 def test_regeneration_records_device_and_dtype(tiny_target_dir, tmp_path, no_cuda):
     from eagle3_platform.data.regenerate import PRESETS, regenerate_file
 
@@ -172,7 +186,7 @@ def test_regeneration_records_device_and_dtype(tiny_target_dir, tmp_path, no_cud
     inp.write_text(json.dumps({"id": "r0", "workload": "chat", "source": "test", "license": "mit",
                                "messages": PROMPT, "n_chars": 50}) + "\n")
     cfg = replace(PRESETS["tiny"], max_new_tokens=4, progress_every_s=60.0)
-    with pytest.raises(RuntimeError, match="sees no CUDA GPU"):
+    with pytest.raises(ValueError, match="sees no CUDA GPU"):
         regenerate_file(tiny_target_dir, inp, tmp_path / "gpu.jsonl", replace(cfg, device="cuda"), scanner=False)
     assert not (tmp_path / "gpu.jsonl").exists()  # refused before any output
     s = regenerate_file(tiny_target_dir, inp, tmp_path / "out.jsonl", replace(cfg, device="cpu"), scanner=False)

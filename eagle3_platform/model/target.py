@@ -109,10 +109,10 @@ def pick_device(name: str) -> str:
     if kind != "cuda" or (index and not index.isdigit()):
         raise ValueError(f"device {name!r}: expected {DEVICES}")
     if not torch.cuda.is_available():
-        raise RuntimeError(f"device {name!r}: torch {torch.__version__} sees no CUDA GPU here "
-                           f"(built for CUDA {torch.version.cuda}); use --device cpu or auto")
+        raise ValueError(f"device {name!r}: torch {torch.__version__} sees no CUDA GPU here "
+                         f"(built for CUDA {torch.version.cuda}); use --device cpu or auto")
     if index and int(index) >= torch.cuda.device_count():
-        raise RuntimeError(f"device {name!r}: torch sees {torch.cuda.device_count()} CUDA GPU(s)")
+        raise ValueError(f"device {name!r}: torch sees {torch.cuda.device_count()} CUDA GPU(s)")
     return dev
 
 
