@@ -98,11 +98,11 @@ def identity(path: str | Path) -> dict:
 DEVICES = "auto | cpu | cuda | cuda:N"
 
 
-def pick_device(name: str) -> str:
+def pick_device(name: str | torch.device) -> str:
     """'auto' | 'cpu' | 'cuda' | 'cuda:N' -> the device a model loads on: 'auto' is CUDA where torch
     sees a GPU, else the CPU. A device asked for and absent is refused here, at startup: never a
     silent fallback to the CPU."""
-    dev = resolve_device(name)
+    dev = resolve_device(str(name))
     if dev == "cpu":
         return dev
     kind, _, index = dev.partition(":")
