@@ -863,6 +863,29 @@ def test_a_spent_time_budget_defers_what_has_not_begun_and_a_rerun_with_budget_l
     assert fresh["written"] == s["written"] and fresh["by_reason"] == s["by_reason"]
 
 
+def test_a_time_budget_never_leaves_an_output_empty(tiny_target_dir, tok, tmp_path, varied_regen, monkeypatch):
+    """A budget spent before the first answer lands (loading and a long prompt's prefill on a busy
+    machine outlast it: here the clock reads spent from the start) still gives the output its first
+    conversations, the first answered in full; the rest are deferred or cut as any budget does, and a
+    rerun changes nothing."""
+    import eagle3_platform.data.regenerate as regen
+
+    monkeypatch.setattr(regen.TimeBudget, "spent", lambda self: 1.0)
+    prompts = mixed_prompts(12)
+    inp = write_prompts(tmp_path / "in.jsonl", prompts)
+    cfg = replace(TINY, batch_size=2, window_batches=1, random_order=True, time_budget_s=0.5)
+    out, rej = tmp_path / "out.jsonl", tmp_path / "rej.jsonl"
+    s = regenerate_file(tiny_target_dir, inp, out, cfg, rejected_path=rej, scanner=NoScan())
+    rows = list(read_jsonl(out))
+    assert s["read"] == s["written"] + s["rejected"] == 12 and 1 <= s["written"] <= cfg.batch_size
+    assert any(not r["generation"]["cut_by_time"] for r in rows)  # the first one whole
+    assert s["by_reason"].get("budget:time", 0) >= 12 - cfg.batch_size
+    check_records(rows, prompts, tok, "tiny-random")
+    before = out.read_bytes()
+    again = regenerate_file(tiny_target_dir, inp, out, cfg, rejected_path=rej, scanner=NoScan())
+    assert again["new_tokens"] == 0 and out.read_bytes() == before  # spent, and no longer empty
+
+
 def test_a_cut_record_whose_retry_ends_no_better_is_kept_not_lost(tiny_target_dir, tmp_path, answer_clock,
                                                                    varied_regen):
     """A run with budget left asks the records an earlier budget cut again from their start. When its own

@@ -30,7 +30,8 @@ uninterrupted one (sampling draws from one RNG per record and turn, seeded from 
 Time budget (RegenConfig.time_budget_s, counted across resumes): once spent, no conversation or turn
 starts and the answers being decoded end there (finish_reason "time"); conversations not begun are
 rejected as `budget:time`, and begun ones keep their answered turns (`dropped_turns`, as when max_length
-ends them; `cut_by_time` in the record's generation). A later run with budget left asks both again:
+ends them; `cut_by_time` in the record's generation). It never leaves an output empty: until a first
+record is written it does not stop. A later run with budget left asks both again:
 the deferred ones, and the cut ones from their start (their window is redone whole anyway). A
 published output (moved away from `out`) is continued only when asked (`continue_from`): copied back
 under the same resume key, with the time it spent, without the rows of ids the input no longer holds.
@@ -404,7 +405,9 @@ class TimeBudget:
     """The wall time an output may take (RegenConfig.time_budget_s), counted across resumes: what earlier
     runs spent is kept in a sidecar beside the output, saved at least every SAVE_EVERY_S (so a killed
     run loses little of what it spent). `over()` is what the back ends ask before they start a
-    conversation or a turn (endpoint workers ask from their threads)."""
+    conversation or a turn (endpoint workers ask from their threads). It never leaves an output empty:
+    while the output holds no record it is not over (on a slow or busy machine a long prompt's prefill
+    alone can outlast a small budget), so its first conversations are answered, then it stops."""
 
     SAVE_EVERY_S = 15.0
 
@@ -412,6 +415,7 @@ class TimeBudget:
         self.limit_s, self.path, self.t0 = limit_s, path, time.monotonic()
         self.before, self.saved = 0.0, self.t0
         self.lock = threading.Lock()
+        self.empty = True  # the output holds no record yet (regenerate_file keeps this)
         if limit_s is not None and path.exists():
             try:
                 self.before = float(json.loads(path.read_text(encoding="utf-8"))["spent_s"])
@@ -422,7 +426,7 @@ class TimeBudget:
         return self.before + time.monotonic() - self.t0
 
     def over(self) -> bool:
-        if self.limit_s is None:
+        if self.limit_s is None or self.empty:
             return False
         if time.monotonic() - self.saved >= self.SAVE_EVERY_S:
             self.save()
@@ -582,6 +586,7 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
     check_output_prompts(out_path, rejected_path, in_path, prompts)  # before cut records are stashed
     drop_partial(out_path)  # a conversation killed between its records is asked again whole
     clock = TimeBudget(cfg.time_budget_s, budget_path(out_path))
+    clock.empty = not written_conversations(out_path)
     retried = recut = 0
     if not clock.over():  # budget left: ask again what an earlier, smaller budget deferred or cut
         retried, recut = retry_deferred(rejected_path), retry_cut(out_path)
@@ -603,6 +608,7 @@ def regenerate_file(target_dir, in_path, out_path, cfg: RegenConfig | str = "dem
                 rows = finalize(c, tok, scanner or None, meta, gen, taken)
                 for row in rows if isinstance(rows, list) else ():
                     out.append(row)
+                    clock.empty = False
                 if isinstance(rows, Rejection):
                     rej.append(rows)
                 progress.add(1, sum(c.new_tokens))
