@@ -17,6 +17,7 @@ from eagle3_platform.features.extract import PRESETS, extract_file
 from eagle3_platform.features.shards import (ShardDataset, normalise_header, read_header, read_manifest,
                                              shard_name, verify_shards)
 from eagle3_platform.store.records import ConversationRecord, read_jsonl, write_jsonl_atomic
+from tests.test_features import _conversations
 
 TINY = replace(PRESETS["tiny"], max_length=24)  # some conversations are longer: truncated on import too
 
@@ -51,19 +52,18 @@ def engine_standin(model, ids: list[int], path: Path, boundaries: list[int], dty
 
 
 def _records(target, n: int) -> list[ConversationRecord]:
-    from eagle3_platform.data.chat import render, template_hash
+    return _conversations(target, n, seed=1)
 
-    words = "the quick brown fox jumps over lazy dog what is x answer four step by step".split()
-    g = torch.Generator().manual_seed(1)
-    pick = lambda k: " ".join(words[int(j)] for j in torch.randint(0, len(words), (k,), generator=g))
-    out = []
-    for i in range(n):
-        msgs = [{"role": "user", "content": pick(3 + i % 7)}, {"role": "assistant", "content": pick(4 + i % 5)}]
-        ids, mask = render(target.tokenizer, msgs)
-        out.append(ConversationRecord(id=f"conv{i:03d}", workload="chat", source="test", license="none",
-                                      messages=msgs, input_ids=ids, loss_mask=mask,
-                                      template_hash=template_hash(target.tokenizer), target_id=target.meta["target_id"]))
-    return out
+
+def _captured(tmp_path: Path, target, model, n: int, **standin) -> tuple[list, Path, Path]:
+    """n records in conv.jsonl and the stand-in engine's file for each in a capture dir."""
+    recs = _records(target, n)
+    conv = tmp_path / "conv.jsonl"
+    write_jsonl_atomic(conv, recs)
+    eng = _capture_dir(tmp_path, target.meta)
+    for r in recs:
+        engine_standin(model, r.input_ids, eng / f"{r.id}.safetensors", engine_layer_ids(target.meta), **standin)
+    return recs, conv, eng
 
 
 def _capture_dir(tmp_path: Path, meta: dict, spec_config: bool = True) -> Path:
@@ -108,13 +108,7 @@ def test_imported_shards_equal_extracted_ones(tiny_target, tiny_target_dir, engi
 def test_bf16_capture_is_the_bf16_forward_exactly(tiny_target, tiny_target_dir, engine_model, tmp_path):
     """Captured bf16 states are stored as they are; the post-norm state recomputed with the target's
     final norm is bit for bit what the bf16 forward hands its lm_head."""
-    recs = _records(tiny_target, 2)
-    conv = tmp_path / "conv.jsonl"
-    write_jsonl_atomic(conv, recs)
-    eng = _capture_dir(tmp_path, tiny_target.meta)
-    for r in recs:
-        engine_standin(engine_model, r.input_ids, eng / f"{r.id}.safetensors", engine_layer_ids(tiny_target.meta),
-                       dtype=torch.bfloat16)
+    recs, conv, eng = _captured(tmp_path, tiny_target, engine_model, 2, dtype=torch.bfloat16)
     s = import_engine_dir(tiny_target_dir, eng, conv, tmp_path / "out", replace(TINY, max_length=512))
     assert s["samples"] == 2 and s["header"]["compute_dtype"] == "bfloat16"
     ds = ShardDataset(tmp_path / "out")
@@ -187,12 +181,7 @@ def test_directory_refusals_name_the_fix(tiny_target, tiny_target_dir, engine_mo
 
 def test_resume_after_a_crash_keeps_finished_shards(tiny_target, tiny_target_dir, engine_model, tmp_path,
                                                       monkeypatch):
-    recs = _records(tiny_target, 10)
-    conv = tmp_path / "conv.jsonl"
-    write_jsonl_atomic(conv, recs)
-    eng = _capture_dir(tmp_path, tiny_target.meta)
-    for r in recs:
-        engine_standin(engine_model, r.input_ids, eng / f"{r.id}.safetensors", engine_layer_ids(tiny_target.meta))
+    recs, conv, eng = _captured(tmp_path, tiny_target, engine_model, 10)
     clean = import_engine_dir(tiny_target_dir, eng, conv, tmp_path / "clean", TINY)
     assert clean["shards"] == 3
     real, calls = engine_import.read_features, []
@@ -221,12 +210,7 @@ def test_resume_after_a_crash_keeps_finished_shards(tiny_target, tiny_target_dir
 def test_cli_extract_from_engine(tiny_target, tiny_target_dir, engine_model, tmp_path, capsys):
     from eagle3_platform.cli import main
 
-    recs = _records(tiny_target, 3)
-    conv = tmp_path / "conv.jsonl"
-    write_jsonl_atomic(conv, recs)
-    eng = _capture_dir(tmp_path, tiny_target.meta)
-    for r in recs:
-        engine_standin(engine_model, r.input_ids, eng / f"{r.id}.safetensors", engine_layer_ids(tiny_target.meta))
+    recs, conv, eng = _captured(tmp_path, tiny_target, engine_model, 3)
     rc = main(["extract", "--target", str(tiny_target_dir), "--in", str(conv), "--out", str(tmp_path / "out"),
                "--preset", "tiny", "--from-engine", str(eng)])
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -271,12 +255,7 @@ def test_non_finite_states_stop_the_import_naming_the_file(tiny_target, tiny_tar
     before it stay written and listed, and removing the file turns its record into a rejection."""
     from safetensors.torch import load_file
 
-    recs = _records(tiny_target, 6)
-    conv = tmp_path / "conv.jsonl"
-    write_jsonl_atomic(conv, recs)
-    eng = _capture_dir(tmp_path, tiny_target.meta)
-    for r in recs:
-        engine_standin(engine_model, r.input_ids, eng / f"{r.id}.safetensors", engine_layer_ids(tiny_target.meta))
+    recs, conv, eng = _captured(tmp_path, tiny_target, engine_model, 6)
     bad = eng / f"{recs[5].id}.safetensors"
     t = load_file(str(bad))
     t["hidden_states"][0, 1, 0] = float("nan")
@@ -294,12 +273,7 @@ def test_a_file_vllm_is_still_writing_is_refused(tiny_target, tiny_target_dir, e
     """vLLM holds an exclusive flock on <file>.lock while it writes <file>: such a file is not read."""
     import fcntl
 
-    recs = _records(tiny_target, 2)
-    conv = tmp_path / "conv.jsonl"
-    write_jsonl_atomic(conv, recs)
-    eng = _capture_dir(tmp_path, tiny_target.meta)
-    for r in recs:
-        engine_standin(engine_model, r.input_ids, eng / f"{r.id}.safetensors", engine_layer_ids(tiny_target.meta))
+    recs, conv, eng = _captured(tmp_path, tiny_target, engine_model, 2)
     (eng / f"{recs[1].id}.safetensors.lock").write_text("")
     (eng / f"{recs[0].id}.safetensors.lock").write_text("")  # released: the write finished
     with open(eng / f"{recs[1].id}.safetensors.lock") as held:
