@@ -32,7 +32,7 @@ agreement: the share of emitted tokens that plain greedy decoding in the same dt
 prefix (exactly 1.0 in fp32; in bf16, or on 4-bit codes, a near-tie may flip when a verify forward
 has another shape).
 
-  python scripts/bench_decode.py --target /tmp/t/smol --draft EXPORT_DIR --out bench.json
+  python scripts/bench_decode.py --target ~/.cache/eagle3/prepared/smollm2-135m-instruct --draft EXPORT_DIR --out bench.json
 """
 from __future__ import annotations
 
@@ -62,6 +62,9 @@ from eagle3_platform.spec.engine import SpecEngine  # noqa: E402
 from eagle3_platform.spec.eval import first_turn, load_prompts  # noqa: E402
 from eagle3_platform.spec.policy import DraftSizePolicy  # noqa: E402
 from eagle3_platform.store.records import write_json_atomic  # noqa: E402
+from eagle3_platform.store.paths import cache_root  # noqa: E402
+
+EMBEDDED_TARGET = cache_root() / "prepared" / "smollm2-135m-instruct"  # what `eagle3 run` prepares
 
 MTBENCH_PER_CATEGORY = 10  # MT-bench lists 8 categories x 10 questions in order
 
@@ -303,7 +306,8 @@ def warm_up(methods: dict, prompts: list[list[int]], args, refs: dict) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default="/tmp/t/smol")
+    ap.add_argument("--target", default=str(EMBEDDED_TARGET),
+                    help="prepared target (default: the one `eagle3 run` prepares)")
     ap.add_argument("--draft", default=None, help="EAGLE-3 export dir (omit: no eagle3 rows)")
     ap.add_argument("--prompts", default=None, help="PromptRecord JSONL (default: MT-bench first turns)")
     ap.add_argument("--n-prompts", type=int, default=8)

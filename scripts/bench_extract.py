@@ -1,6 +1,6 @@
 """Extraction cost vs a plain target forward, and bytes/token on disk vs the 8·H budget.
 
-    python scripts/bench_extract.py [--target /tmp/t/smol] [--conv CONV.jsonl] [--n 16] [--repeats 5]
+    python scripts/bench_extract.py [--target ~/.cache/eagle3/prepared/smollm2-135m-instruct] [--conv CONV.jsonl] [--n 16] [--repeats 5]
 
 Same run, same inputs, interleaved repeats after a warm-up, medians:
 - plain:    `model(input_ids)` per conversation (the baseline the goal refers to, logits included)
@@ -30,6 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eagle3_platform.features.extract import PRESETS, extract_file, load_records, target_header  # noqa: E402
 from eagle3_platform.model.target import load_target  # noqa: E402
 from eagle3_platform.store.records import ConversationRecord, write_jsonl_atomic  # noqa: E402
+from eagle3_platform.store.paths import cache_root  # noqa: E402
+
+EMBEDDED_TARGET = cache_root() / "prepared" / "smollm2-135m-instruct"  # what `eagle3 run` prepares
 
 TOPICS = ["sorting algorithms", "the French revolution", "photosynthesis", "compound interest",
           "binary search trees", "the water cycle", "HTTP caching", "prime numbers"]
@@ -77,7 +80,8 @@ def timed_extract(target, target_dir, conv, cfg, work: Path) -> tuple[float, dic
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default="/tmp/t/smol")
+    ap.add_argument("--target", default=str(EMBEDDED_TARGET),
+                    help="prepared target (default: the one `eagle3 run` prepares)")
     ap.add_argument("--conv", default=None, help="conversation records; built when absent")
     ap.add_argument("--n", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
