@@ -55,3 +55,21 @@ def test_only_the_library_is_installed():
                         "print([m for m in ('assets', 'resources', 'definitions') if u.find_spec(m)])"],
                        cwd="/", capture_output=True, text=True, timeout=120)
     assert r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+def test_the_pod_image_installs_what_setup_installs():
+    """The Dockerfile (the Kubernetes pods' image, docs/PRODUCTION.md) installs the pins scripts/setup.sh
+    installs, extras pyproject.toml defines, and copies paths that exist: it cannot drift from the
+    tested setup unnoticed (it is not built here: no base-image registry is reachable)."""
+    import re
+
+    docker, setup = (ROOT / "Dockerfile").read_text(), (ROOT / "scripts" / "setup.sh").read_text()
+    pins = lambda text: set(re.findall(r"\b([a-z][\w.-]*==[\w.]+)", text))  # noqa: E731
+    assert pins(docker) == pins(setup) and "torch==2.13.0" in pins(docker)
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (wanted,) = re.findall(r'-e "\.\[([\w,-]+)\]"', docker)
+    assert set(wanted.split(",")) <= set(extras) and "dev" not in wanted.split(",")
+    for line in docker.splitlines():
+        if line.startswith("COPY "):
+            assert all((ROOT / src).exists() for src in line.split()[1:-1]), line
+    assert (ROOT / "resources" / "pipes_worker.py").exists()
