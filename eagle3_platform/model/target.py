@@ -176,13 +176,13 @@ def load_target(path: str | Path, dtype: str = "float32", device: str = "cpu", p
         raise FileNotFoundError(f"{path} is not a prepared target; run `eagle3 prepare-target`")
     if device_map:
         return load_sharded(path, resolve_dtype(dtype), device_map, max_memory, offload_folder)
-    plan = load_plan(dtype, pick_device(device), pack, grouped_attention(AutoConfig.from_pretrained(path)))
+    config = AutoConfig.from_pretrained(path)
+    plan = load_plan(dtype, pick_device(device), pack, grouped_attention(config))
     int4 = plan.int4_rows
     # codes are read off the checkpoint's own values: a bf16 model's weights are rounded off the grid,
     # so one decoding in bf16 on its codes loads in fp32 and is cast once its linears are packed
     load_dtype = torch.float32 if int4 else getattr(torch, plan.dtype)
-    model = causal_lm_class(AutoConfig.from_pretrained(path)).from_pretrained(
-        path, dtype=load_dtype).to(plan.device).eval()
+    model = causal_lm_class(config).from_pretrained(path, dtype=load_dtype).to(plan.device).eval()
     packed, int4_linears = 0, 0
     if plan.grouped_decode:  # else transformers' own kernel (GPUs; sinks, soft-capping)
         from eagle3_platform.model.attention import use_grouped_decode
