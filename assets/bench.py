@@ -109,14 +109,14 @@ def report_metadata(report_dir: Path, uri: str) -> dict:
         schema=TableSchema(columns=[TableColumn(n, t) for n, t in CELL_COLUMNS]))
     sp = speedups(results)
     meta["speedup_by_concurrency"] = MetadataValue.table(
-        [TableRecord({"concurrency": c, **{k: rounded(v) for k, v in r.items() if v is not None}})
-         for c, r in sp.items()],
+        [TableRecord({"concurrency": c, "tpot_speedup": _num(r["tpot_speedup"]),
+                      "throughput_ratio": _num(r["throughput_ratio"])}) for c, r in sp.items()],
         schema=TableSchema(columns=[TableColumn("concurrency", "int"), TableColumn("tpot_speedup", "float"),
                                     TableColumn("throughput_ratio", "float")]))
     taus = tau_per_level(results)
     levels = sorted({c for v in taus.values() for c in v})
     meta["tau_by_workload"] = MetadataValue.table(
-        [TableRecord({"workload": w, **{f"c{c}": rounded(v[c]) for c in levels if c in v}}) for w, v in taus.items()],
+        [TableRecord({"workload": w, **{f"c{c}": _num(v.get(c)) for c in levels}}) for w, v in taus.items()],
         schema=TableSchema(columns=[TableColumn("workload", "string"),
                                     *[TableColumn(f"c{c}", "float", description=f"τ at concurrency {c}")
                                       for c in levels]]))
@@ -126,12 +126,17 @@ def report_metadata(report_dir: Path, uri: str) -> dict:
 
 
 def _cell_record(run: dict) -> dict:
+    """Every column in every row (Dagster's tables need one set of fields): None where a cell has no
+    value, e.g. a level at which a slow box finished no request of a workload."""
     a = run["cells"]["all"]
-    ms = {f"{k}_ms": rounded(a[f"{k}_s"] * 1000) for k in ("median_ttft", "median_tpot", "p10_tpot", "p90_tpot")
-          if a.get(f"{k}_s") is not None}
+    ms = {f"{k}_ms": _num(a[f"{k}_s"] * 1000 if a.get(f"{k}_s") is not None else None)
+          for k in ("median_ttft", "median_tpot", "p10_tpot", "p90_tpot")}
     return {"endpoint": run["endpoint"], "concurrency": run["concurrency"], "requests": a.get("requests", 0),
-            "failures": a.get("failures", 0), **ms,
-            **{k: rounded(a[k]) for k in ("output_tok_per_s", "tau") if a.get(k) is not None}}
+            "failures": a.get("failures", 0), **ms, **{k: _num(a.get(k)) for k in ("output_tok_per_s", "tau")}}
+
+
+def _num(v: float | None) -> float | None:
+    return None if v is None else rounded(v)
 
 
 def _run_cli(context, args: list[str], api_key: str | None = None) -> dict:

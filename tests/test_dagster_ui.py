@@ -74,6 +74,30 @@ def sweep_results(levels=(1, 2, 4, 8, 16)) -> dict:
     return results
 
 
+def test_benchmark_report_metadata_tables_keep_every_column_where_cells_are_empty(tmp_path):
+    """A slow box can finish no request of a workload at some level, or none at all in a cell: the
+    tables still hold one set of fields per row (Dagster refuses ragged ones), None where empty."""
+    from assets.bench import report_metadata
+    from eagle3_platform.bench.report import write_report
+
+    results = sweep_results(levels=(1, 2))
+    for run in results["runs"]:
+        if run["concurrency"] == 1:
+            run["cells"]["code"] = dict(run["cells"]["chat"])  # code answered at c = 1 only
+        if (run["endpoint"], run["concurrency"]) == ("eagle3", 2):
+            run["cells"]["all"] = {"requests": 0, "failures": 0}  # nothing finished in the cell
+    write_report(results, tmp_path / "report")
+    meta = report_metadata(tmp_path / "report", (tmp_path / "published").as_uri())
+    for name in ("cells", "speedup_by_concurrency", "tau_by_workload"):
+        records = meta[name].value.records
+        assert len({frozenset(r.data) for r in records}) == 1, name
+    empty = [r.data for r in meta["cells"].value.records if r.data["endpoint"] == "eagle3" and r.data["concurrency"] == 2]
+    assert empty[0]["median_tpot_ms"] is None and empty[0]["requests"] == 0
+    code = [r.data for r in meta["tau_by_workload"].value.records if r.data["workload"] == "code"][0]
+    assert code["c2"] is None and code["c1"] is not None
+    assert meta["speedup_by_concurrency"].value.records[1].data["tpot_speedup"] is None
+
+
 def test_benchmark_report_metadata_embeds_its_plots_and_the_ui_api_returns_them(tmp_path):
     from assets.bench import PLOT_ENTRIES, report_metadata
     from eagle3_platform.bench.report import write_report
