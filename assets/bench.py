@@ -129,14 +129,13 @@ def _cell_record(run: dict) -> dict:
     """Every column in every row (Dagster's tables need one set of fields): None where a cell has no
     value, e.g. a level at which a slow box finished no request of a workload."""
     a = run["cells"]["all"]
-    ms = {f"{k}_ms": _num(a[f"{k}_s"] * 1000 if a.get(f"{k}_s") is not None else None)
-          for k in ("median_ttft", "median_tpot", "p10_tpot", "p90_tpot")}
+    ms = {f"{k}_ms": _num(a.get(f"{k}_s"), 1000) for k in ("median_ttft", "median_tpot", "p10_tpot", "p90_tpot")}
     return {"endpoint": run["endpoint"], "concurrency": run["concurrency"], "requests": a.get("requests", 0),
             "failures": a.get("failures", 0), **ms, **{k: _num(a.get(k)) for k in ("output_tok_per_s", "tau")}}
 
 
-def _num(v: float | None) -> float | None:
-    return None if v is None else rounded(v)
+def _num(v: float | None, scale: float = 1.0) -> float | None:
+    return None if v is None else rounded(v * scale)
 
 
 def _run_cli(context, args: list[str], api_key: str | None = None) -> dict:
